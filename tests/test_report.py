@@ -397,3 +397,20 @@ def test_load_report_rejects_malformed_files(tmp_path, content, expected):
         load_report(path)
     with pytest.raises(ReportError, match="cannot read"):
         load_report(tmp_path / "missing.json")
+
+
+def test_status_band_shows_a_single_fallback_among_many_ticks_per_pixel():
+    n = 100_000  # about 140 ticks per pixel column: one fallback would round to zero pixels
+    status = np.zeros(n, dtype=np.int8)
+    status[n // 2] = 2
+    empty = np.zeros(0)
+    series = report_html.PlotSeries(
+        latency_t_s=empty, latency_ms=empty, dropped_t_s=empty, action_t_s=np.arange(n) * 0.02,
+        action_status=status, action_level=np.zeros(n, dtype=np.int32), level_names=("0",),
+        status_names=("fresh", "chunk", "fallback"), reuse_t_s=empty, reuse_ratio=empty, stage_ms={})
+    svg = report_html.level_status_svg(series)
+    fallback_rects = [line for line in svg.splitlines()
+                      if f'fill="{report_html.STATUS_COLOURS["fallback"]}"/>' in line and "<rect" in line]
+    band = [line for line in fallback_rects if 'height="10"' not in line]  # the legend swatch is 10 x 10
+    assert len(band) == 1 and 'height="1"' in band[0]
+    assert svg.count("<rect") < 20  # runs of identical columns are merged

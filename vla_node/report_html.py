@@ -79,7 +79,8 @@ class _Frame:
         return MARGIN_LEFT + (np.asarray(x, dtype=np.float64) - self.x_lo) / (self.x_hi - self.x_lo) * self.plot_w
 
     def py(self, y: Any) -> Any:
-        return self.top + self.plot_h - (np.asarray(y, dtype=np.float64) - self.y_lo) / (self.y_hi - self.y_lo) * self.plot_h
+        fraction = (np.asarray(y, dtype=np.float64) - self.y_lo) / (self.y_hi - self.y_lo)
+        return self.top + self.plot_h - fraction * self.plot_h
 
 
 def _svg_open(plot_id: str, title: str) -> list[str]:
@@ -88,7 +89,8 @@ def _svg_open(plot_id: str, title: str) -> list[str]:
             f'font-family="sans-serif" font-size="11" fill="{TEXT_COLOUR}">',
             f"<title>{_e(title)}</title>",
             f'<rect x="0" y="0" width="{WIDTH}" height="{HEIGHT}" fill="#fff"/>',
-            f'<text x="{WIDTH / 2:.0f}" y="18" text-anchor="middle" font-size="13" font-weight="bold">{_e(title)}</text>']
+            f'<text x="{WIDTH / 2:.0f}" y="18" text-anchor="middle" font-size="13" font-weight="bold">'
+            f"{_e(title)}</text>"]
 
 
 def _axes(frame: _Frame, x_ticks: Sequence[tuple[float, str]], y_ticks: Sequence[tuple[float, str]],
@@ -228,7 +230,8 @@ def latency_histogram_svg(s: PlotSeries, deadline_ms: float) -> str:
         x0, x1, y = float(frame.px(left)), float(frame.px(right)), float(frame.py(count))
         colour = LATE_COLOUR if left >= deadline_ms else LINE_COLOUR
         parts.append(f'<rect x="{x0 + 0.5:.1f}" y="{min(y, base - 1.0):.1f}" width="{max(x1 - x0 - 1, 1):.1f}" '
-                     f'height="{max(base - y, 1.0):.1f}" fill="{colour}"><title>{left:g}-{right:g} ms: {count}</title></rect>')
+                     f'height="{max(base - y, 1.0):.1f}" fill="{colour}">'
+                     f"<title>{left:g}-{right:g} ms: {count}</title></rect>")
     x = float(frame.px(deadline_ms))
     parts.append(f'<line x1="{x:.1f}" y1="{frame.top}" x2="{x:.1f}" y2="{base}" stroke="{DEADLINE_COLOUR}" '
                  f'stroke-width="1.5" stroke-dasharray="6 4"/>')
