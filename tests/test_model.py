@@ -1,0 +1,103 @@
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file, save_file
+
+from vla_node.model import ActionBins, CheckpointError, build_vla, load_checkpoint, preset, save_checkpoint
+from vla_node.model.config import ModelConfig
+from vla_node.model.tokenizer import TokenizerError, decode, encode
+from vla_node.validate import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def weights_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    model = build_vla(preset("tiny"), seed=7)
+    loaded = load_checkpoint(save_checkpoint(model, tmp_path / "ckpt"))
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "missing tensor 'model.layers.0.mlp.up_proj.weight'"),
+    ("extra", "unexpected tensor 'model.layers.9.extra.weight'"),
+    ("shape", "tensor 'model.layers.0.mlp.up_proj.weight' has shape (3, 3)"),
+    ("dtype", "tensor 'model.layers.0.mlp.up_proj.weight' has dtype torch.float16"),
+])
+def test_damaged_checkpoint_names_the_tensor(tmp_path, damage, message):
+    path = save_checkpoint(build_vla(preset("tiny"), seed=0), tmp_path / "ckpt")
+    file = path / "decoder" / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.0.mlp.up_proj.weight"
+    if damage == "missing":
+        del tensors[name]
+    elif damage == "extra":
+        tensors["model.layers.9.extra.weight"] = torch.zeros(2)
+    elif damage == "shape":
+        tensors[name] = torch.zeros(3, 3)
+    else:
+        tensors[name] = tensors[name].half()
+    save_file(tensors, str(file))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_checkpoint(path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="missing vla.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_same_seed_same_weights_in_two_processes():
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from test_model import weights_digest; "
+        "from vla_node.model import build_vla, preset; print(weights_digest(build_vla(preset('tiny'), seed=11)))"
+    )
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+               for _ in range(2)}
+    assert len(digests) == 1
+    assert digests.pop().strip() == weights_digest(build_vla(preset("tiny"), seed=11))
+    assert weights_digest(build_vla(preset("tiny"), seed=12)) != weights_digest(build_vla(preset("tiny"), seed=11))
+
+
+@given(st.text(max_size=40))
+def test_tokenizer_round_trip(text):
+    ids = encode(text, max_tokens=4 * 40 + 1)
+    assert ids[0] == 256 and all(0 <= i < 256 for i in ids[1:])
+    assert decode(ids) == text
+
+
+def test_tokenizer_non_ascii_and_limit():
+    assert decode(encode("überhole den LKW → links 🚗", 64)) == "überhole den LKW → links 🚗"
+    with pytest.raises(TokenizerError, match="does not fit"):
+        encode("x" * 30, max_tokens=24)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=2, max_size=2))
+def test_action_bins_round_trip_within_half_a_bin(values):
+    bins = ActionBins(preset("tiny"))
+    back = bins.to_values(bins.to_bins(np.array(values)))
+    assert np.all(np.abs(back - np.array(values)) <= bins.width / 2 + 1e-6)
+
+
+def test_preset_errors_are_clear():
+    with pytest.raises(ConfigError, match="did you mean 'small'"):
+        preset("smal")
+    with pytest.raises(ConfigError, match=r"model.num_kv_heads = 3: expected a divisor of num_heads 8"):
+        ModelConfig(num_kv_heads=3)
+    with pytest.raises(ConfigError, match="model.action_low"):
+        ModelConfig(action_dims=3)
