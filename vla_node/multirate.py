@@ -1,0 +1,301 @@
+"""Multi-rate decoding over the multimodal KV cache: the policy the node runs.
+
+Three verbs at three rates, each a transactional stage (compute everything, then commit in one step; a
+budget check that says stop raises StageAborted before anything is committed):
+
+    update_text(instruction)  on an instruction change: recomputes text, then every cached frame and state
+                              (they attend to the text) from their stored input embeddings
+    update_vision(frames)     per camera frame: vision tower, then the frame's K/V into the vision memory;
+                              then the (short) state partition is recomputed, since it attends to vision
+    action_tick(state)        per control decision: appends the state token, decodes an action chunk
+
+Block-causal order and fixed positions are the model's (see vla.py and ModelConfig): with every partition
+in fp32 and no eviction, this equals the reference policy (tests/test_multirate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+
+from vla_node.kv import GatherWorkspace, KVPartition, PartitionSpec, Segment, VisionMemory, VisionMemoryConfig
+from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
+from vla_node.model.action_head import ActionBins
+from vla_node.model.tokenizer import encode
+from vla_node.model.vla import VLA, preprocess_frame, to_pixels
+from vla_node.reference import ActionChunk, check_state
+from vla_node.validate import require
+
+Check = Callable[[], bool]  # returns False when the stage must stop now (out of budget)
+IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
+
+
+class StageAborted(Exception):
+    """A stage stopped at a budget check; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Storage per partition and how attention runs over them. The vision memory's window and tokens per
+    frame always come from the model (vision_frames, tokens_per_frame)."""
+
+    text_dtype: str = "bf16"
+    action_dtype: str = "fp32"
+    vision: VisionMemoryConfig = field(default_factory=VisionMemoryConfig)
+    attention: Literal["segmented", "gather"] = "segmented"
+
+    def __post_init__(self) -> None:
+        for key in ("text_dtype", "action_dtype"):
+            value = getattr(self, key)
+            require(value in ("fp32", "bf16", "fp16", "int8"), f"cache.{key}", value, "fp32, bf16, fp16 or int8")
+        require(self.attention in ("segmented", "gather"), "cache.attention", self.attention,
+                "'segmented' (log-sum-exp merge) or 'gather'")
+
+    @staticmethod
+    def exact() -> "CacheConfig":
+        """Every partition fp32, FIFO without eviction inside the window: equals the reference path."""
+        return CacheConfig(text_dtype="fp32", action_dtype="fp32", vision=VisionMemoryConfig(storage_dtype="fp32"))
+
+
+class MultiRatePolicy:
+    def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32) -> None:
+        self.model = model.to(dtype)
+        self.dtype = dtype
+        self.cache_config = cache
+        c = self.config = model.config
+        self.bins = ActionBins(c)
+        L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
+        # the window and frame size are the model's; a per-frame minimum never exceeds a whole frame
+        vcfg = dataclasses.replace(cache.vision, window_frames=c.vision_frames, tokens_per_frame=c.tokens_per_frame,
+                                   quota_min_tokens=min(cache.vision.quota_min_tokens, c.tokens_per_frame))
+        self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd))
+        self.vision = VisionMemory.build(vcfg, L, KV, hd, compute_dtype=dtype)
+        self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd))
+        self._read = {p.name: self._read_buffers(p) for p in (self.text, self.action)}
+        # staging: the K/V a stage computes, laid out text | frames | states, committed at the end
+        self._stage_k = torch.zeros(L, KV, c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
+                                    hd, dtype=dtype)
+        self._stage_v = torch.zeros_like(self._stage_k)
+        self._query_k = torch.zeros(L, KV, c.action_tokens, hd, dtype=dtype)  # autoregressive query K/V
+        self._query_v = torch.zeros_like(self._query_k)
+        # inputs kept so that a text change can recompute what follows it
+        self._frame_embeds = torch.zeros(c.vision_frames, c.tokens_per_frame, c.hidden_size, dtype=dtype)
+        self._state_embeds = torch.zeros(c.state_slots, c.hidden_size, dtype=dtype)
+        self._causal = torch.ones(c.max_text_tokens, c.max_text_tokens, dtype=torch.bool).tril()
+        self._query_causal = torch.ones(c.action_tokens, c.action_tokens, dtype=torch.bool).tril()
+        self._eye = torch.eye(c.state_slots, dtype=torch.bool)
+        if cache.attention == "gather":
+            # the longest key list: text | vision partitions | old states | the staged state | queries
+            total = c.max_text_tokens + sum(p.capacity for p in self.vision.partitions) + c.state_slots + 1
+            total += c.action_tokens
+            longest_block = max(c.tokens_per_frame, c.max_text_tokens, c.action_tokens, c.state_slots)
+            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype)
+        self.text_ids: list[int] = []
+        self.instruction: str | None = None
+        self.frame_count = 0
+        self.state_count = 0
+        self._frame_ids: list[int] = []  # frames in the vision memory, oldest first (their slot is id % W)
+        self._track_importance = vcfg.policy in IMPORTANCE_POLICIES
+        self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
+        self._others = torch.zeros(c.state_slots, dtype=torch.bool)
+        self._logits = torch.zeros(c.action_tokens, c.vocab_size)
+
+    def _read_buffers(self, p: KVPartition):
+        if not p.spec.quantized and p.spec.torch_dtype == self.dtype:
+            return None
+        shape = (p.spec.n_kv_heads, p.capacity, p.spec.head_dim)
+        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+
+    # --- attention plumbing ---------------------------------------------------------------------------
+    def _segment(self, p: KVPartition, layer: int) -> Segment:
+        bufs = self._read[p.name]
+        k, v, valid = p.read(layer) if bufs is None else p.read(layer, *bufs)
+        return Segment(k, v, valid)
+
+    def _attend(self, q: torch.Tensor, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cache_config.attention == "gather" and not self._track_importance:
+            return gather_attention(q, segments, self._workspace), None
+        return segmented_attention(q, segments)
+
+    def _run_block(self, x: torch.Tensor, positions: torch.Tensor, prefix: Callable[[int], list[Segment]],
+                   self_mask: torch.Tensor | None, out_k: torch.Tensor | None, out_v: torch.Tensor | None,
+                   check: Check | None, importance: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run a block of n tokens through the decoder over cached prefix segments plus itself.
+
+        x [n, hidden]; self_mask [n, n] bool (None = all); out_k/out_v [L, KV, n, hd] receive the block's K/V.
+        Checks the budget between layers. Returns the final hidden states [n, hidden]."""
+        cos, sin = self.model.decoder.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.decoder.model.layers):
+            if check is not None and not check():
+                raise StageAborted(f"stopped before decoder layer {i}")
+            q, k, v = layer.project_qkv(x, cos, sin)
+            if out_k is not None:
+                out_k[i].copy_(k)
+                out_v[i].copy_(v)
+            segments = prefix(i)
+            own = Segment(k, v, self_mask)
+            attn, lse = self._attend(q, [*segments, own])
+            if importance is not None and lse is not None:
+                for imp, seg in zip(importance, segments[1:]):  # segments 1.. are the vision memory's partitions
+                    imp += attention_mass(q, seg, lse)
+            x = layer.finish(x, attn)
+        return x
+
+    def _text_prefix(self, layer: int) -> list[Segment]:
+        return [self._segment(self.text, layer)]
+
+    def _vision_prefix(self, layer: int) -> list[Segment]:
+        return [self._segment(self.text, layer), *self.vision.segments(layer)]
+
+    def _full_prefix(self, layer: int) -> list[Segment]:
+        return [*self._vision_prefix(layer), self._segment(self.action, layer)]
+
+    # --- stages ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def update_text(self, instruction: str, check: Check | None = None) -> None:
+        """Recompute the text partition, then every cached frame and state (they attend to the text)."""
+        c = self.config
+        ids = encode(instruction, c.max_text_tokens)
+        n = len(ids)
+        k_text, v_text = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
+        x = self.model.embed_text(torch.tensor(ids))
+        self._run_block(x, torch.arange(n), lambda layer: [], self._causal[:n, :n], k_text, v_text, check)
+        staged_text = lambda layer: [Segment(k_text[layer], v_text[layer], None)]  # noqa: E731
+        # frames, each over the new text and itself
+        frames = []
+        offset = c.max_text_tokens
+        for frame_id in self._frame_ids:
+            slot = frame_id % c.vision_frames
+            k_f = self._stage_k[:, :, offset : offset + c.tokens_per_frame]
+            v_f = self._stage_v[:, :, offset : offset + c.tokens_per_frame]
+            positions = torch.tensor(c.vision_positions(slot))
+            self._run_block(self._frame_embeds[slot], positions, staged_text, None, k_f, v_f, check)
+            frames.append((frame_id, k_f, v_f, positions))
+            offset += c.tokens_per_frame
+        # commit: nothing above touched the cache
+        self.text.clear()
+        self.text.write(torch.arange(n), k_text, v_text, torch.arange(n), 0)
+        self.vision.clear()
+        for frame_id, k_f, v_f, positions in frames:
+            self.vision.admit_frame(frame_id, k_f, v_f, positions)
+        self.text_ids, self.instruction = ids, instruction
+        self._refresh_states()
+
+    def prepare_frames(self, frames: list[np.ndarray]) -> np.ndarray:
+        """Camera frames (any size) -> uint8 [C, S, S, 3] at the model's input size."""
+        c = self.config
+        if len(frames) != c.num_cameras:
+            raise ValueError(f"{len(frames)} camera frames: expected {c.num_cameras}")
+        return np.stack([preprocess_frame(f, c.image_size) for f in frames])
+
+    @torch.inference_mode()
+    def update_vision(self, images: np.ndarray, scene_cut: bool = False, check: Check | None = None) -> int:
+        """images uint8 [C, S, S, 3] (prepare_frames) -> the frame's K/V admitted to the vision memory.
+        Returns the frame id."""
+        if not self.text_ids:
+            raise RuntimeError("update_vision before update_text: the instruction must be set first")
+        c = self.config
+        embeds = self.model.encode_frame(to_pixels(images, self.dtype))  # [C*T, hidden]
+        if check is not None and not check():
+            raise StageAborted("stopped after the vision tower")
+        return self._admit(embeds, scene_cut, check)
+
+    def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
+        c = self.config
+        frame_id = self.frame_count
+        slot = frame_id % c.vision_frames
+        positions = torch.tensor(c.vision_positions(slot))
+        k_f = self._stage_k[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
+        v_f = self._stage_v[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
+        self._run_block(embeds, positions, self._text_prefix, None, k_f, v_f, check)
+        # commit
+        self.vision.admit_frame(frame_id, k_f, v_f, positions, scene_cut=scene_cut)
+        self._frame_embeds[slot].copy_(embeds)
+        self._frame_ids = [f for f in self._frame_ids if f > frame_id - c.vision_frames and not scene_cut] + [frame_id]
+        self.frame_count += 1
+        self._refresh_states()
+        return frame_id
+
+    def _refresh_states(self) -> None:
+        """Recompute every stored state token (each attends to text, vision and itself); not abortable:
+        it is a handful of tokens and runs right after a commit."""
+        c = self.config
+        valid = self.action.valid.nonzero().flatten()
+        if valid.numel() == 0:
+            return
+        n = valid.numel()
+        k_s = self._stage_k[:, :, -c.state_slots :][:, :, :n]
+        v_s = self._stage_v[:, :, -c.state_slots :][:, :, :n]
+        positions = c.state_base + valid
+        self._run_block(self._state_embeds[valid], positions, self._vision_prefix, self._eye[:n, :n], k_s, v_s, None)
+        self.action.write(valid, k_s, v_s, positions, 0)
+
+    @torch.inference_mode()
+    def action_tick(self, state, check: Check | None = None) -> ActionChunk:
+        """Append the state token (ring slot) and decode an action chunk [H, D]; committed only at the end."""
+        if not self.text_ids:
+            raise RuntimeError("action_tick before update_text: the instruction must be set first")
+        c = self.config
+        s = check_state(state, c.state_dim).to(self.dtype)
+        slot = self.state_count % c.state_slots
+        x = self.model.embed_state(s)  # [1, hidden]
+        k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
+        position = torch.tensor([c.state_base + slot])
+        self._run_block(x, position, self._vision_prefix, None, k_s, v_s, check)
+        self._others.copy_(self.action.valid)
+        self._others[slot] = False  # the slot being replaced in the ring
+
+        def prefix(layer: int) -> list[Segment]:
+            old = self._segment(self.action, layer)
+            return [*self._vision_prefix(layer), Segment(old.k, old.v, self._others), Segment(k_s[layer], v_s[layer], None)]
+
+        for imp in self._importance:
+            imp.zero_()
+        bins = self._decode_queries(prefix, check)
+        # commit
+        self.action.write(torch.tensor([slot]), k_s, v_s, position, 0)
+        self._state_embeds[slot].copy_(x[0])
+        self.state_count += 1
+        if self._track_importance:
+            for i, imp in enumerate(self._importance):
+                self.vision.add_importance(None, imp, segment=i)
+        return ActionChunk(self.bins.to_values(bins), bins, self._logits.clone())
+
+    def _decode_queries(self, prefix: Callable[[int], list[Segment]], check: Check | None) -> np.ndarray:
+        """Run the H*D action queries over the prefix; logits into self._logits; returns bins [H, D]."""
+        c, m = self.config, self.model
+        n = c.action_tokens
+        positions = torch.arange(c.query_base, c.query_base + n)
+        importance = self._importance if self._track_importance else None
+        if c.action_decode == "parallel":
+            x = m.embed_text(m.query_ids(None))
+            h = self._run_block(x, positions, prefix, self._query_causal, None, None, check, importance)
+            self._logits.copy_(m.decoder.logits(h))
+            return self.bins.bins_from_logits(self._logits).numpy()
+        bins = torch.zeros(0, dtype=torch.long)
+        for i in range(n):
+            x = m.embed_text(m.query_ids(bins)[i : i + 1])  # [1, hidden]
+            qk, qv = self._query_k, self._query_v
+
+            def with_queries(layer: int, i: int = i) -> list[Segment]:
+                return [*prefix(layer), Segment(qk[layer, :, :i], qv[layer, :, :i], None)]
+
+            h = self._run_block(x, positions[i : i + 1], with_queries, None, qk[:, :, i : i + 1], qv[:, :, i : i + 1],
+                                check, importance)
+            self._logits[i].copy_(m.decoder.logits(h)[0])
+            bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
+        return bins.reshape(c.action_horizon, c.action_dims).numpy()  # [H*D] -> [H, D]
+
+    # --- accounting -----------------------------------------------------------------------------------
+    def kv_bytes(self) -> dict[str, int]:
+        return {"text": self.text.nbytes()["kv_bytes"], "vision": self.vision.stats()["kv_bytes"],
+                "action": self.action.nbytes()["kv_bytes"]}
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """Every preallocated tensor of the cache (for the no-allocation-in-steady-state checks)."""
+        return [*self.text.storage_tensors(), *self.vision.storage_tensors(), *self.action.storage_tensors(),
+                self._stage_k, self._stage_v, self._query_k, self._query_v]
