@@ -1,0 +1,260 @@
+"""Attention of a block of queries over a list of KV segments (one per partition).
+
+Shapes (batch size 1, no batch dim):
+  q [n_heads, q_len, head_dim]; a segment's k, v [n_kv_heads, L, head_dim] (L may be 0);
+  mask bool [q_len, L] or [L] (True = may attend) or None (all valid);
+  bias float [q_len, L] or [L] added to the logits (e.g. log(count) for merged tokens) or None.
+Grouped-query attention: query head h uses kv head h // (n_heads // n_kv_heads) (Llama's repeat_kv order).
+Scale 1/sqrt(head_dim). A query row that may attend to nothing yields zeros and lse = -inf, never NaN.
+
+Three ways, equal up to float rounding over the same (dequantized) values:
+  dense_attention      the plain oracle over one concatenated K/V (fp32 math);
+  segmented_attention  per-segment partial attention merged exactly with log-sum-exp (FlashInfer merge_state);
+  gather_attention     copies the segments into one preallocated buffer and runs torch SDPA once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class Segment(NamedTuple):
+    """One partition's view for attention; a plain (k, v, mask) tuple works too."""
+
+    k: torch.Tensor  # [n_kv_heads, L, head_dim]
+    v: torch.Tensor  # [n_kv_heads, L, head_dim]
+    mask: torch.Tensor | None = None  # bool [q_len, L] or [L]
+    bias: torch.Tensor | None = None  # float [q_len, L] or [L]
+
+
+def _as_segment(seg: Sequence) -> Segment:
+    return seg if isinstance(seg, Segment) else Segment(*seg)
+
+
+def _check(q: torch.Tensor, seg: Segment) -> int:
+    """Validate shapes; returns the GQA group size n_heads // n_kv_heads."""
+    if q.dim() != 3:
+        raise ValueError(f"attention: q shape {list(q.shape)}: expected [n_heads, q_len, head_dim]")
+    hq, tq, d = q.shape
+    if seg.k.dim() != 3 or seg.k.shape != seg.v.shape or seg.k.shape[2] != d:
+        raise ValueError(f"attention: k {list(seg.k.shape)} / v {list(seg.v.shape)}: expected both "
+                         f"[n_kv_heads, L, {d}]")
+    hkv, length = seg.k.shape[0], seg.k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"attention: n_heads {hq} with n_kv_heads {hkv}: expected n_heads a multiple of n_kv_heads")
+    for name, t in (("mask", seg.mask), ("bias", seg.bias)):
+        if t is not None and tuple(t.shape) not in ((tq, length), (length,)):
+            raise ValueError(f"attention: {name} shape {list(t.shape)}: expected [{tq}, {length}] or [{length}]")
+    if seg.mask is not None and seg.mask.dtype != torch.bool:
+        raise ValueError(f"attention: mask dtype {seg.mask.dtype}: expected torch.bool")
+    return hq // hkv
+
+
+_FLOOR = -torch.finfo(torch.float32).max  # stands in for a -inf running max, so that exp(-inf - floor) = 0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _scaled_logits(q: torch.Tensor, seg: Segment, g: int) -> torch.Tensor:
+    """fp32 logits q k^T / sqrt(D) (+ bias, masked to -inf): [n_kv_heads, g, q_len, L]."""
+    hq, tq, d = q.shape
+    hkv, length = seg.k.shape[0], seg.k.shape[1]
+    qg = q.reshape(hkv, g * tq, d)  # [n_kv_heads, g*q_len, D]: the g query heads of one kv head, stacked
+    logits = torch.matmul(qg, seg.k.to(q.dtype).transpose(1, 2)).float()  # [n_kv_heads, g*q_len, L]
+    logits = logits.view(hkv, g, tq, length).mul_(1.0 / math.sqrt(d))  # [n_kv_heads, g, q_len, L]
+    if seg.bias is not None:
+        logits.add_(seg.bias.float())
+    if seg.mask is not None:
+        logits.masked_fill_(seg.mask.logical_not(), float("-inf"))
+    return logits
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over one segment: (out fp32 [n_heads, q_len, head_dim], lse fp32 [n_heads, q_len]).
+
+    lse is the log-sum-exp of the scaled (and biased) logits over the attendable keys, -inf if none."""
+    seg = Segment(k, v, mask, bias)
+    g = _check(q, seg)
+    hq, tq, d = q.shape
+    hkv, length = k.shape[0], k.shape[1]
+    if length == 0:
+        return (torch.zeros(hq, tq, d, dtype=torch.float32, device=q.device),
+                torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device))
+    logits = _scaled_logits(q, seg, g)  # [n_kv_heads, g, q_len, L]
+    peak = logits.amax(dim=-1, keepdim=True).clamp_min_(_FLOOR)  # [n_kv_heads, g, q_len, 1]
+    p = logits.sub_(peak).exp_()  # masked -> 0
+    total = p.sum(dim=-1, keepdim=True)  # [n_kv_heads, g, q_len, 1]
+    out = torch.matmul(p.view(hkv, g * tq, length).to(q.dtype), v.to(q.dtype))  # [n_kv_heads, g*q_len, D]
+    out = out.float().view(hkv, g, tq, d).div_(total.clamp_min(_TINY))  # [n_kv_heads, g, q_len, D]
+    lse = peak.add_(total.log_()).view(hq, tq)  # [n_heads, q_len]; log(0) = -inf for empty rows
+    return out.view(hq, tq, d), lse  # [n_heads, q_len, D]
+
+
+def merge_state(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets (FlashInfer merge_state):
+    out = (out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b), lse = log(e^lse_a + e^lse_b)."""
+    return merge_states([out_a, out_b], [lse_a, lse_b])
+
+
+def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_state over any number of partial states at once: outs [n_heads, q_len, D], lses [n_heads, q_len]."""
+    lse = torch.stack(list(lses))  # [S, n_heads, q_len]
+    peak = lse.amax(dim=0).clamp_min_(_FLOOR)  # [n_heads, q_len]
+    w = lse.sub_(peak).exp_()  # [S, n_heads, q_len]; -inf states weigh 0
+    total = w.sum(dim=0)  # [n_heads, q_len]
+    out = (torch.stack(list(outs)) * w[..., None]).sum(dim=0)  # [n_heads, q_len, D]
+    out.div_(total.clamp_min(_TINY)[..., None])
+    return out, peak.add_(total.log_())
+
+
+def segmented_attention(q: torch.Tensor, segments: Sequence[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over the union of the segments, merged with log-sum-exp.
+
+    Returns (out [n_heads, q_len, head_dim] in q's dtype, lse fp32 [n_heads, q_len]); lse lets a caller
+    merge further segments with merge_state."""
+    hq, tq, d = q.shape
+    parts = [partial_attention(q, *_as_segment(seg)) for seg in segments]
+    if not parts:
+        return (torch.zeros(hq, tq, d, dtype=q.dtype, device=q.device),
+                torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device))
+    if len(parts) == 1:
+        out, lse = parts[0]
+    else:
+        out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
+    return out.to(q.dtype), lse
+
+
+class GatherWorkspace:
+    """Preallocated buffers for gather_attention: K/V [n_kv_heads, max_tokens, head_dim] and a logit mask
+    [max_q_len, max_tokens] (bool, or float when a segment carries a bias)."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, max_tokens: int, max_q_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.k = torch.zeros(n_kv_heads, max_tokens, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_kv_heads, max_tokens, head_dim, dtype=dtype, device=device)
+        self.allow = torch.ones(max_q_len, max_tokens, dtype=torch.bool, device=device)
+        self.logit_bias = torch.zeros(max_q_len, max_tokens, dtype=dtype, device=device)
+        self.max_tokens, self.max_q_len = max_tokens, max_q_len
+
+    @classmethod
+    def for_segments(cls, q: torch.Tensor, segments: Sequence[Segment]) -> "GatherWorkspace":
+        total = sum(s.k.shape[1] for s in segments)
+        return cls(segments[0].k.shape[0], q.shape[2], total, q.shape[1], q.dtype, q.device)
+
+
+def gather_attention(
+    q: torch.Tensor, segments: Sequence[Sequence], workspace: GatherWorkspace | None = None
+) -> torch.Tensor:
+    """Copy every segment (valid or not; the mask carries validity, so shapes stay static) into one buffer
+    and run one torch SDPA with a boolean mask (a float mask when some segment has a bias).
+
+    Returns out [n_heads, q_len, head_dim] in q's dtype."""
+    segs = [_as_segment(s) for s in segments]
+    hq, tq, d = q.shape
+    for seg in segs:
+        _check(q, seg)
+    total = sum(s.k.shape[1] for s in segs)
+    if not segs or total == 0:
+        return torch.zeros(hq, tq, d, dtype=q.dtype, device=q.device)
+    ws = workspace if workspace is not None else GatherWorkspace.for_segments(q, segs)
+    if total > ws.max_tokens or tq > ws.max_q_len or ws.k.dtype != q.dtype:
+        raise ValueError(f"gather_attention: {total} tokens, q_len {tq}, {q.dtype}: workspace holds "
+                         f"{ws.max_tokens} tokens, q_len {ws.max_q_len}, {ws.k.dtype}")
+    use_bias = any(s.bias is not None for s in segs)
+    allow = ws.allow[:tq, :total]  # [q_len, total]
+    offset = 0
+    for seg in segs:
+        length = seg.k.shape[1]
+        end = offset + length
+        ws.k[:, offset:end].copy_(seg.k)
+        ws.v[:, offset:end].copy_(seg.v)
+        if seg.mask is None:
+            allow[:, offset:end].fill_(True)
+        else:
+            allow[:, offset:end].copy_(seg.mask)  # broadcasts a [L] mask over the rows
+        if use_bias:
+            if seg.bias is None:
+                ws.logit_bias[:tq, offset:end].zero_()
+            else:
+                ws.logit_bias[:tq, offset:end].copy_(seg.bias)
+        offset = end
+    k, v = ws.k[:, :total], ws.v[:, :total]
+    if use_bias:
+        attn_mask = ws.logit_bias[:tq, :total].masked_fill(~allow, float("-inf"))  # [q_len, total]
+    else:
+        attn_mask = allow
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)  # [n_heads, q_len, D]
+    empty_rows = ~allow.any(dim=-1)  # [q_len]
+    return out.masked_fill_(empty_rows[None, :, None], 0.0)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The oracle: plain softmax attention in fp32 (fp64 stays fp64) with explicitly repeated kv heads.
+    Returns out [n_heads, q_len, head_dim] in the math dtype."""
+    g = _check(q, Segment(k, v, mask, bias))
+    hq, tq, d = q.shape
+    math_dtype = torch.promote_types(q.dtype, torch.float32)
+    kr = k.to(math_dtype).repeat_interleave(g, dim=0)  # [n_heads, L, D]
+    vr = v.to(math_dtype).repeat_interleave(g, dim=0)
+    if k.shape[1] == 0:
+        return torch.zeros(hq, tq, d, dtype=math_dtype, device=q.device)
+    logits = q.to(math_dtype) @ kr.transpose(1, 2) / math.sqrt(d)  # [n_heads, q_len, L]
+    if bias is not None:
+        logits = logits + bias.to(math_dtype)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    attendable = torch.isfinite(logits).any(dim=-1, keepdim=True)  # [n_heads, q_len, 1]
+    p = torch.softmax(torch.where(attendable, logits, 0.0), dim=-1)
+    p = torch.where(attendable, p, 0.0)
+    return p @ vr
+
+
+def concat_segments(segments: Sequence[Sequence], q_len: int) -> Segment:
+    """One segment equal to the concatenation of `segments` (masks/biases expanded to [q_len, L]);
+    for the oracle and tests."""
+    segs = [_as_segment(s) for s in segments]
+    k = torch.cat([s.k for s in segs], dim=1)  # [n_kv_heads, sum L, D]
+    v = torch.cat([s.v for s in segs], dim=1)
+    masks, biases = [], []
+    for s in segs:
+        length = s.k.shape[1]
+        m = s.mask if s.mask is not None else torch.ones(length, dtype=torch.bool, device=s.k.device)
+        masks.append(m.expand(q_len, length))
+        b = s.bias if s.bias is not None else torch.zeros(length, device=s.k.device)
+        biases.append(b.float().expand(q_len, length))
+    any_bias = any(s.bias is not None for s in segs)
+    return Segment(k, v, torch.cat(masks, dim=1), torch.cat(biases, dim=1) if any_bias else None)
+
+
+def attention_mass(q: torch.Tensor, segment: Sequence, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probability each key of `segment` received, summed over heads and query rows: fp32 [L].
+
+    `lse` is the total log-sum-exp from segmented_attention over all segments, so the masses of all
+    segments together sum to (number of heads x attending rows). For H2O importance (add_importance)."""
+    seg = _as_segment(segment)
+    g = _check(q, seg)
+    hq, tq, d = q.shape
+    hkv, length = seg.k.shape[0], seg.k.shape[1]
+    if length == 0:
+        return torch.zeros(0, dtype=torch.float32, device=q.device)
+    logits = _scaled_logits(q, seg, g)  # [n_kv_heads, g, q_len, L]
+    total = lse.view(hkv, g, tq, 1)  # [n_kv_heads, g, q_len, 1]
+    total = torch.where(torch.isfinite(total), total, float("inf"))  # rows with nothing: mass 0
+    return logits.sub_(total).exp_().sum(dim=(0, 1, 2))  # [L]

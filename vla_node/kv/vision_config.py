@@ -1,0 +1,123 @@
+"""VisionMemoryConfig: the vision memory's policy, chosen by name, and its knobs (frozen, validated)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vla_node.kv.eviction import quota_for_age
+from vla_node.kv.partition import STORAGE_DTYPES
+from vla_node.validate import choose, require
+
+POLICIES: dict[str, str] = {
+    "fifo": "evict whole oldest frames; W frames kept",
+    "quota": "PackCache: per-frame token quota decaying with age (with a minimum), most important tokens kept",
+    "merge": "near-duplicate keys (cosine > threshold) merged into count-weighted averages",
+    "h2o": "heavy hitters: evict the tokens with the least accumulated attention",
+    "tiered": "W frames; hot (most important) tokens in a bf16/fp16 tier, cold ones in the int8 tier",
+}
+HOT_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_int(key: str, value: object) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionMemoryConfig:
+    """Vision memory over `window_frames` frames of `tokens_per_frame` tokens.
+
+    capacity_tokens: slots of the main (int8 by default) partition; None = what the policy needs for a
+      full window (fifo/merge/h2o: W x tpf, quota: the sum of the quotas, tiered: W x tpf - hot tokens).
+    quota_*: quota(age) = max(min(quota_min_tokens, tpf), floor(tpf x quota_decay^age)); age 0 = newest frame.
+    merge_*: a new token merges into its most similar stored token when the cosine similarity of keys
+      (mean over heads, over all layers or over merge_layer) exceeds merge_threshold;
+      proportional_attention adds log(count) to merged tokens' logits.
+    h2o_protect_frames: the newest frames before the incoming one never lose tokens to importance
+      (unless nothing else is left).
+    importance_decay: importance = importance x decay + new scores, on every add_importance.
+    hot_tokens / hot_dtype (tiered): slots and storage of the hot tier; None = one frame.
+    """
+
+    policy: str = "fifo"
+    window_frames: int = 4
+    tokens_per_frame: int = 196
+    capacity_tokens: int | None = None
+    storage_dtype: str = "int8"
+    key_group: int = 64
+    quota_decay: float = 0.5
+    quota_min_tokens: int = 32
+    merge_threshold: float = 0.95
+    merge_layer: int | None = None
+    proportional_attention: bool = True
+    h2o_protect_frames: int = 1
+    importance_decay: float = 1.0
+    hot_tokens: int | None = None
+    hot_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        choose("policy", self.policy, POLICIES)
+        choose("storage_dtype", self.storage_dtype, STORAGE_DTYPES)
+        choose("hot_dtype", self.hot_dtype, HOT_DTYPES)
+        _positive_int("window_frames", self.window_frames)
+        _positive_int("tokens_per_frame", self.tokens_per_frame)
+        _positive_int("key_group", self.key_group)
+        require(_number(self.quota_decay) and 0.0 < self.quota_decay <= 1.0, "quota_decay",
+                self.quota_decay, "a number in (0, 1]")
+        require(isinstance(self.quota_min_tokens, int) and not isinstance(self.quota_min_tokens, bool)
+                and self.quota_min_tokens >= 0, "quota_min_tokens", self.quota_min_tokens,
+                "an integer >= 0 (capped at tokens_per_frame)")
+        require(_number(self.merge_threshold) and -1.0 <= self.merge_threshold <= 1.0, "merge_threshold",
+                self.merge_threshold, "a cosine similarity in [-1, 1]")
+        require(self.merge_layer is None or (isinstance(self.merge_layer, int) and self.merge_layer >= 0),
+                "merge_layer", self.merge_layer, "none (average over layers) or a layer index >= 0")
+        require(isinstance(self.h2o_protect_frames, int) and 0 <= self.h2o_protect_frames < self.window_frames,
+                "h2o_protect_frames", self.h2o_protect_frames, f"an integer in [0, window_frames={self.window_frames})")
+        require(_number(self.importance_decay) and 0.0 < self.importance_decay <= 1.0,
+                "importance_decay", self.importance_decay, "a number in (0, 1]")
+        if self.hot_tokens is not None:
+            require(isinstance(self.hot_tokens, int) and self.tokens_per_frame <= self.hot_tokens
+                    < self.window_frames * self.tokens_per_frame, "hot_tokens", self.hot_tokens,
+                    f"none (one frame) or an integer in [tokens_per_frame={self.tokens_per_frame}, "
+                    f"window_frames x tokens_per_frame={self.window_frames * self.tokens_per_frame})")
+        if self.policy == "tiered":
+            require(self.window_frames >= 2, "window_frames", self.window_frames,
+                    "at least 2 with policy 'tiered' (the cold tier holds the older frames)")
+        if self.capacity_tokens is not None:
+            _positive_int("capacity_tokens", self.capacity_tokens)
+            require(self.capacity_tokens >= self.min_capacity(), "capacity_tokens", self.capacity_tokens,
+                    f">= {self.min_capacity()} for policy {self.policy!r}")
+
+    def quota(self, age: int) -> int:
+        return quota_for_age(age, self.tokens_per_frame, self.quota_decay, self.quota_min_tokens)
+
+    @property
+    def hot_capacity(self) -> int:
+        return self.tokens_per_frame if self.hot_tokens is None else self.hot_tokens
+
+    def full_window_tokens(self) -> int:
+        """Main-partition slots that hold a full window under this policy."""
+        w, t = self.window_frames, self.tokens_per_frame
+        if self.policy == "quota":
+            return sum(self.quota(a) for a in range(w))
+        if self.policy == "tiered":
+            return w * t - self.hot_capacity
+        return w * t
+
+    def min_capacity(self) -> int:
+        """The fewest main-partition slots the policy can work with."""
+        if self.policy == "merge":
+            return self.tokens_per_frame
+        if self.policy == "h2o":
+            return self.tokens_per_frame * (1 + self.h2o_protect_frames)
+        return self.full_window_tokens()
+
+    @property
+    def capacity(self) -> int:
+        return self.full_window_tokens() if self.capacity_tokens is None else self.capacity_tokens
+
+
+__all__ = ["VisionMemoryConfig", "POLICIES"]
