@@ -63,3 +63,36 @@ def test_aborted_stages_leave_the_cache_unchanged():
             stage(lambda: next(budget))
         assert all(torch.equal(a, b) for a, b in zip(before, cache_state()))
         assert (policy.frame_count, policy.state_count, policy._frame_ids) == counters
+
+
+def test_partial_refresh_of_every_token_equals_full_refresh():
+    config = preset("tiny").replace(vision_frames=1)
+    full = MultiRatePolicy(build_vla(config, seed=2), CacheConfig.exact())
+    partial = MultiRatePolicy(build_vla(config, seed=2), CacheConfig.exact())
+    every = [torch.arange(config.tokens_per_camera)]
+    for policy in (full, partial):
+        policy.update_text("keep lane")
+    for i, (frame, state) in enumerate(frames_and_states(5, seed=3)):
+        images = full.prepare_frames([frame])
+        update = partial.update_vision(images, every)
+        assert update.full == (i == 0) and update.tokens_refreshed == config.tokens_per_frame
+        full.update_vision(images)
+        a, b = partial.action_tick(state), full.action_tick(state)
+        assert (a.logits - b.logits).abs().max().item() <= 1e-4
+        np.testing.assert_array_equal(a.bins, b.bins)
+
+
+def test_static_scene_reuses_everything_and_keeps_outputs():
+    config = preset("tiny").replace(vision_frames=1)
+    policy = MultiRatePolicy(build_vla(config, seed=2), CacheConfig())
+    policy.update_text("keep lane")
+    frame, state = next(frames_and_states(1))
+    images = policy.prepare_frames([frame])
+    policy.update_vision(images, [torch.arange(config.tokens_per_camera)])
+    for _ in range(config.state_slots):  # fill the state ring, so later ticks see the same state history
+        first = policy.action_tick(state)
+    for _ in range(3):
+        update = policy.update_vision(images, [torch.zeros(0, dtype=torch.long)])
+        assert update.tokens_refreshed == 0 and update.reuse_ratio == 1.0 and not update.full
+        again = policy.action_tick(state)
+        assert torch.equal(again.logits, first.logits)

@@ -26,6 +26,7 @@ from vla_node.kv import GatherWorkspace, KVPartition, PartitionSpec, Segment, Vi
 from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
 from vla_node.model.action_head import ActionBins
 from vla_node.model.tokenizer import encode
+from vla_node.model.vision_cache import VisionStageAborted, VisionTokenCache
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.reference import ActionChunk, check_state
 from vla_node.validate import require
@@ -36,6 +37,18 @@ IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
 
 class StageAborted(Exception):
     """A stage stopped at a budget check; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class VisionUpdate:
+    frame_id: int
+    tokens_refreshed: int  # vision tower tokens recomputed (all cameras)
+    tokens_total: int
+    full: bool  # the decoder's vision partition was rewritten whole (not just the changed tokens)
+
+    @property
+    def reuse_ratio(self) -> float:
+        return 1.0 - self.tokens_refreshed / self.tokens_total
 
 
 @dataclass(frozen=True)
@@ -69,9 +82,11 @@ class MultiRatePolicy:
         c = self.config = model.config
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
-        # the window and frame size are the model's; a per-frame minimum never exceeds a whole frame
-        vcfg = dataclasses.replace(cache.vision, window_frames=c.vision_frames, tokens_per_frame=c.tokens_per_frame,
-                                   quota_min_tokens=min(cache.vision.quota_min_tokens, c.tokens_per_frame))
+        # the window and frame size are the model's; the knobs bounded by them are clamped to them
+        v = cache.vision
+        vcfg = dataclasses.replace(v, window_frames=c.vision_frames, tokens_per_frame=c.tokens_per_frame,
+                                   quota_min_tokens=min(v.quota_min_tokens, c.tokens_per_frame),
+                                   h2o_protect_frames=min(v.h2o_protect_frames, c.vision_frames - 1))
         self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd))
         self.vision = VisionMemory.build(vcfg, L, KV, hd, compute_dtype=dtype)
         self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd))
@@ -100,6 +115,10 @@ class MultiRatePolicy:
         self.state_count = 0
         self._frame_ids: list[int] = []  # frames in the vision memory, oldest first (their slot is id % W)
         self._track_importance = vcfg.policy in IMPORTANCE_POLICIES
+        self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype)
+        self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
+        self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
+        self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
         self._others = torch.zeros(c.state_slots, dtype=torch.bool)
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
@@ -193,16 +212,73 @@ class MultiRatePolicy:
         return np.stack([preprocess_frame(f, c.image_size) for f in frames])
 
     @torch.inference_mode()
-    def update_vision(self, images: np.ndarray, scene_cut: bool = False, check: Check | None = None) -> int:
-        """images uint8 [C, S, S, 3] (prepare_frames) -> the frame's K/V admitted to the vision memory.
-        Returns the frame id."""
+    def update_vision(self, images: np.ndarray, tokens: list[torch.Tensor | None] | None = None,
+                      scene_cut: bool = False, check: Check | None = None) -> VisionUpdate:
+        """images uint8 [C, S, S, 3] (prepare_frames). `tokens`: per camera, the token indices to recompute
+        (from the reuse gate); None = all. Reuse happens in the vision tower always, and in the decoder's
+        vision partition when it holds just the current frame (vision_frames = 1, fifo): only the changed
+        tokens' K/V are written. A scene cut is a full refresh that flushes the vision memory."""
         if not self.text_ids:
             raise RuntimeError("update_vision before update_text: the instruction must be set first")
         c = self.config
-        embeds = self.model.encode_frame(to_pixels(images, self.dtype))  # [C*T, hidden]
-        if check is not None and not check():
-            raise StageAborted("stopped after the vision tower")
-        return self._admit(embeds, scene_cut, check)
+        T = c.tokens_per_camera
+        pixels = to_pixels(images, self.dtype)  # [C, 3, S, S]
+        if scene_cut or tokens is None:
+            tokens = [None] * c.num_cameras
+        partial = self._decoder_reuse and bool(self._frame_ids) and all(self.tower_cache.valid) \
+            and all(t is not None for t in tokens)
+        try:
+            outputs = [self.tower_cache.refresh(cam, pixels[cam], tokens[cam], check) for cam in range(c.num_cameras)]
+            if check is not None and not check():
+                raise StageAborted("stopped after the vision tower")
+            if partial:
+                refreshed = self._update_tokens(outputs, tokens, check)
+            else:
+                full = torch.stack([self._tower_rows(cam, out, tokens[cam]) for cam, out in enumerate(outputs)])
+                self._admit(self.model.project_vision(full), scene_cut, check)  # full: [C, T, W]
+                refreshed = sum(T if t is None else t.numel() for t in tokens)
+        except (StageAborted, VisionStageAborted) as e:
+            self.tower_cache.discard()
+            raise StageAborted(str(e)) from None
+        self.tower_cache.commit()
+        self.frame_count += 1
+        return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial)
+
+    def _tower_rows(self, camera: int, out: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """All T tower outputs of a camera: the refreshed rows over the cached ones."""
+        if tokens is None:
+            return out
+        rows = self.tower_cache.out[camera].clone()
+        rows[tokens] = out
+        return rows
+
+    def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor], check: Check | None) -> int:
+        """Recompute only the changed tokens' K/V in the vision partition (it holds the current frame)."""
+        c = self.config
+        T = c.tokens_per_camera
+        flat = torch.cat([cam * T + t for cam, t in enumerate(tokens)])  # [n] token index within the frame
+        n = flat.numel()
+        if n == 0:
+            return 0
+        x = torch.cat([self.model.projector(out) + self.model.camera_embedding[cam] for cam, out in enumerate(outputs)])
+        main = self.vision.partitions[0]
+        slots = self._token_slots[flat]
+        slot_w = self._frame_ids[-1] % c.vision_frames
+        positions = torch.tensor(c.vision_positions(slot_w))[flat]
+        self._vision_keep.copy_(main.valid)
+        self._vision_keep[slots] = False  # the changed tokens attend to their new K/V, not the cached ones
+
+        def prefix(layer: int) -> list[Segment]:
+            old = self.vision.segments(layer)[0]
+            return [self._segment(self.text, layer), Segment(old.k, old.v, self._vision_keep)]
+
+        k_new, v_new = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
+        self._run_block(x, positions, prefix, None, k_new, v_new, check)
+        # commit
+        main.write(slots, k_new, v_new, positions, self._frame_ids[-1])
+        self._frame_embeds[slot_w].index_copy_(0, flat, x)
+        self._refresh_states()
+        return n
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
         c = self.config
@@ -213,10 +289,10 @@ class MultiRatePolicy:
         v_f = self._stage_v[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
         self._run_block(embeds, positions, self._text_prefix, None, k_f, v_f, check)
         # commit
-        self.vision.admit_frame(frame_id, k_f, v_f, positions, scene_cut=scene_cut)
+        admission = self.vision.admit_frame(frame_id, k_f, v_f, positions, scene_cut=scene_cut)
+        self._token_slots.copy_(admission.slots)
         self._frame_embeds[slot].copy_(embeds)
         self._frame_ids = [f for f in self._frame_ids if f > frame_id - c.vision_frames and not scene_cut] + [frame_id]
-        self.frame_count += 1
         self._refresh_states()
         return frame_id
 
