@@ -66,8 +66,9 @@ def test_native_round_trip_is_byte_exact(tmp_path, compression):
         writer.add_message("instruction", T0 - 5, {"v": 1, "seq": 0, "stamp_ns": T0 - 5, "text": "keep lane"})
         for i, rgb in enumerate(images):
             writer.add_frame("front", 100 + i, T0 + i * 50_000_000, "rgb8", 24, 40, rgb.tobytes())
+            values = [0.5, -1.0, i] if i % 2 == 0 else np.array([0.5, -1.0, i])  # numpy values become lists
             writer.add_message("state", T0 + i * 50_000_000 + 1,
-                               {"v": 1, "seq": i, "stamp_ns": T0 + i * 50_000_000 + 1, "values": [0.5, -1.0, i]})
+                               {"v": 1, "seq": np.int64(i), "stamp_ns": T0 + i * 50_000_000 + 1, "values": values})
         writer.add_message("action", T0 + 10**9, {"v": 1, "seq": 0, "stamp_ns": T0 + 10**9, "status": "fresh",
                                                   "action": [0.1, 0.2], "chunk": [[0.1, 0.2], [0.3, 0.4]]})
     drive = open_drive(path)
@@ -84,6 +85,10 @@ def test_native_round_trip_is_byte_exact(tmp_path, compression):
     assert [c.topic for c in commands] == ["instruction"] + ["state"] * 6
     assert commands[0].stamp_ns == 0 and commands[0].header["text"] == "keep lane"
     assert commands[3].header == {"v": 1, "seq": 2, "stamp_ns": T0 + 100_000_001, "values": [0.5, -1.0, 2]}
+    assert commands[4].header["values"] == [0.5, -1.0, 3.0] and commands[4].header["seq"] == 3
+    with DriveWriter(tmp_path / "other.mcap") as writer:
+        with pytest.raises(ValueError, match="header_map for 'state' cannot be packed"):
+            writer.add_message("state", T0, {"values": object()})
     actions = list(drive.messages(["action"]))
     assert len(actions) == 1 and actions[0].header["chunk"] == [[0.1, 0.2], [0.3, 0.4]]
     info = drive.info()

@@ -55,6 +55,15 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return int(value)
 
 
+def _plain(value: Any) -> Any:
+    """numpy values in a header map (e.g. state values) are stored as plain msgpack numbers and lists."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot pack {type(value).__name__}")
+
+
 class DriveWriter:
     """Write a native drive. Usable as a context manager; close() (MCAP finish) also runs on an exception,
     so an interrupted recording stays a readable drive."""
@@ -118,7 +127,8 @@ class DriveWriter:
         self.frames_written += 1
 
     def add_message(self, topic: str, stamp_ns: int, header_map: Mapping[str, Any]) -> None:
-        """Append a command or output message (instruction, state, action, health): its header map as is."""
+        """Append a command or output message (instruction, state, action, health): its header map as is
+        (numpy arrays and scalars in it become plain lists and numbers)."""
         self._check_open()
         if not isinstance(topic, str) or not topic or topic.startswith(FRAME_PREFIX):
             raise ValueError(f"topic = {topic!r}: expected a non-frame topic such as 'instruction' "
@@ -127,11 +137,11 @@ class DriveWriter:
             raise ValueError(f"header_map for {topic!r}: expected a map, got {type(header_map).__name__}")
         stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
         try:
-            data = msgpack.packb(dict(header_map), use_bin_type=True)
+            data = msgpack.packb(dict(header_map), use_bin_type=True, default=_plain)
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"header_map for {topic!r} cannot be packed as msgpack: {e}") from e
         seq = header_map.get("seq", 0)
-        sequence = int(seq) & SEQUENCE_MASK if isinstance(seq, int) and not isinstance(seq, bool) else 0
+        sequence = int(seq) & SEQUENCE_MASK if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool) else 0
         cid = self._channel(topic, {})
         self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns, sequence=sequence,
                                  data=data)

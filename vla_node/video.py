@@ -78,7 +78,7 @@ def _open_container(path: os.PathLike | str) -> av.container.InputContainer:
         raise _drive_error(path, "not a regular file")
     try:
         return av.open(str(p), mode="r")
-    except av.FFmpegError as e:
+    except av.error.FFmpegError as e:
         raise _drive_error(path, f"not a video PyAV can open ({type(e).__name__}: {e})") from e
 
 
@@ -109,7 +109,7 @@ def probe_video(path: os.PathLike | str) -> VideoInfo:
             for packet in container.demux(stream):
                 if packet.size > 0 and packet.pts is not None and not packet.is_discard:
                     frames += 1
-        except av.FFmpegError as e:
+        except av.error.FFmpegError as e:
             raise _drive_error(path, f"corrupt video stream ({type(e).__name__}: {e})") from e
         if frames == 0:
             raise _drive_error(path, "video stream holds no frames")
@@ -149,7 +149,7 @@ def _decoded(container, stream, path) -> Iterator[tuple[int, av.VideoFrame]]:
             frame = next(frames)
         except StopIteration:
             return
-        except av.FFmpegError as e:
+        except av.error.FFmpegError as e:
             raise _drive_error(path, f"corrupt video stream after {count} frames ({type(e).__name__}: {e})") from e
         if frame.pts is None:  # no timestamps: assume the nominal rate
             stamp_ns = round(count * period * NS_PER_S)
@@ -293,7 +293,7 @@ def decode_image(data: bytes, codec: str) -> np.ndarray:
     ctx = av.CodecContext.create(names[codec], "r")
     try:
         frames = ctx.decode(av.Packet(bytes(data))) + ctx.decode(None)
-    except av.FFmpegError as e:
+    except av.error.FFmpegError as e:
         raise ValueError(f"undecodable {codec} image ({type(e).__name__}: {one_line(e)})") from e
     if len(frames) != 1:
         raise ValueError(f"undecodable {codec} image ({len(frames)} frames decoded, expected 1)")
