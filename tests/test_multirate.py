@@ -60,7 +60,7 @@ def test_aborted_stages_leave_the_cache_unchanged():
                   lambda check: policy.action_tick(frames[1][1], check)):
         budget = iter([True, False])  # stop at the second budget check of each stage
         with pytest.raises(StageAborted):
-            stage(lambda: next(budget))
+            stage(lambda fraction: next(budget))
         assert all(torch.equal(a, b) for a, b in zip(before, cache_state()))
         assert (policy.frame_count, policy.state_count, policy._frame_ids) == counters
 

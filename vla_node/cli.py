@@ -32,6 +32,58 @@ def cmd_bench(args) -> int:
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
+def launch_config(args):
+    """The launch file with the command line's address overrides applied (validated again)."""
+    import dataclasses
+
+    from vla_node.config import default_launch, load_launch
+
+    config = load_launch(args.launch or default_launch())
+    overrides = {k: getattr(args, k) for k in ("frames", "commands", "actions", "health") if getattr(args, k, None)}
+    if overrides:
+        config = config.replace(transport=dataclasses.replace(config.transport, **overrides))
+    return config
+
+
+def cmd_run(args) -> int:
+    from vla_node.node import Node
+
+    config = launch_config(args)
+    return Node(config).run()
+
+
+def cmd_keys(args) -> int:
+    from vla_node.keys import create_keys
+
+    paths = create_keys(args.out)
+    print(f"wrote CURVE keys to {args.out}: {paths}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from vla_node.convert import convert_video
+
+    size = parse_size(args.size) if args.size else None
+    summary = convert_video(args.video, args.out, fps=args.fps, size=size, encoding=args.encoding, camera=args.camera)
+    print(f"wrote {args.out}: {summary.frames} frames, {summary.duration_s:.2f} s, {summary.bytes / 1e6:.1f} MB")
+    return 0
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x480") from None
+    return w, h
+
+
+def add_address_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--frames", help="address the node's frame SUB connects to (overrides the launch file)")
+    p.add_argument("--commands", help="address the node's command SUB connects to")
+    p.add_argument("--actions", help="address the node's action PUB binds")
+    p.add_argument("--health", help="address the node's health PUB binds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vla-node", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -43,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=cmd_init)
 
+    p = sub.add_parser("run", help="run the node")
+    p.add_argument("--launch", help="TOML launch file (default launch/cpu.toml)")
+    add_address_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("keys", help="create CURVE server and client keys")
+    p.add_argument("--out", required=True, help="directory to create")
+    p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("convert", help="convert an mp4 to a native drive (MCAP)")
+    p.add_argument("video")
+    p.add_argument("--out", required=True, help="DRIVE.mcap to write")
+    p.add_argument("--fps", type=float, help="resample to this rate (default: the video's)")
+    p.add_argument("--size", help="resize to WIDTHxHEIGHT (default: the video's)")
+    p.add_argument("--encoding", choices=["rgb8", "jpeg"], default="rgb8")
+    p.add_argument("--camera", default="front")
+    p.set_defaults(func=cmd_convert)
+
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     p.add_argument("what", choices=["model"])
     p.add_argument("--preset", default="small")
@@ -52,7 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, PermissionError)
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's (bad file, bad value): one line, exit 2, no traceback."""
+    from vla_node.drive import DriveError
+    from vla_node.model.checkpoint import CheckpointError
+    from vla_node.model.tokenizer import TokenizerError
+    from vla_node.report import ReportError
+    from vla_node.validate import ConfigError
+
+    return (ConfigError, CheckpointError, DriveError, ReportError, TokenizerError, FileNotFoundError,
+            FileExistsError, PermissionError, IsADirectoryError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"vla-node {args.command}: error: {e}", file=sys.stderr)
         return 2
 

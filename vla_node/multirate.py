@@ -31,7 +31,7 @@ from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.reference import ActionChunk, check_state
 from vla_node.validate import require
 
-Check = Callable[[], bool]  # returns False when the stage must stop now (out of budget)
+Check = Callable[[float], bool]  # called with the fraction of the block done; False = stop now (out of budget)
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
 
 
@@ -148,8 +148,9 @@ class MultiRatePolicy:
         x [n, hidden]; self_mask [n, n] bool (None = all); out_k/out_v [L, KV, n, hd] receive the block's K/V.
         Checks the budget between layers. Returns the final hidden states [n, hidden]."""
         cos, sin = self.model.decoder.rope(positions, x.dtype)
+        n_layers = len(self.model.decoder.model.layers)
         for i, layer in enumerate(self.model.decoder.model.layers):
-            if check is not None and not check():
+            if check is not None and not check(i / n_layers):
                 raise StageAborted(f"stopped before decoder layer {i}")
             q, k, v = layer.project_qkv(x, cos, sin)
             if out_k is not None:
@@ -229,7 +230,7 @@ class MultiRatePolicy:
             and all(t is not None for t in tokens)
         try:
             outputs = [self.tower_cache.refresh(cam, pixels[cam], tokens[cam], check) for cam in range(c.num_cameras)]
-            if check is not None and not check():
+            if check is not None and not check(0.5):
                 raise StageAborted("stopped after the vision tower")
             if partial:
                 refreshed = self._update_tokens(outputs, tokens, check)

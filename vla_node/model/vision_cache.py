@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from vla_node.kv.attention import Segment, segmented_attention
 from vla_node.model.vision import VisionTower
 
-Check = Callable[[], bool]
+Check = Callable[[float], bool]  # called with the fraction done; False = stop now
 
 
 class VisionStageAborted(Exception):
@@ -62,8 +62,9 @@ class VisionTokenCache:
         if tokens is not None:
             self._keep.fill_(True)
             self._keep[tokens] = False
+        n_layers = len(self.tower.encoder.layers)
         for i, layer in enumerate(self.tower.encoder.layers):
-            if check is not None and not check():
+            if check is not None and not check(0.5 * i / n_layers):  # the tower is about half the stage
                 raise VisionStageAborted(f"stopped before vision layer {i}")
             a = layer.self_attn
             h = layer.layer_norm1(x)

@@ -77,6 +77,8 @@ def preprocess_frame(rgb: np.ndarray, image_size: int) -> np.ndarray:
         raise ValueError(f"frame of shape {rgb.shape} and dtype {rgb.dtype}: expected HxWx3 uint8 RGB")
     if rgb.shape[0] == image_size and rgb.shape[1] == image_size:
         return np.ascontiguousarray(rgb)
+    if not rgb.flags.writeable:
+        rgb = rgb.copy()  # a read-only view of a received buffer; torch wants writable memory
     x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None].float()  # [H, W, 3] -> [1, 3, H, W]
     x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False)
     return x[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()  # [1, 3, S, S] -> [S, S, 3]

@@ -1,0 +1,140 @@
+"""Node configuration: one frozen dataclass per section, loaded from a TOML launch file.
+
+Every key is validated at load; a bad value fails with a message naming the key, the value and what is
+allowed, an unknown key with a did-you-mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vla_node.model.config import PRESETS, ModelConfig
+from vla_node.multirate import CacheConfig
+from vla_node.protocol import CameraSpec, ProtocolLimits
+from vla_node.reuse import ReuseConfig
+from vla_node.scheduler import SchedulerConfig
+from vla_node.transport import TransportConfig
+from vla_node.validate import ConfigError, choose, from_dict, require
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_DIR = REPO_ROOT / "launch"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model the node runs and how."""
+
+    preset: str = "small"  # tiny | small | base (ignored when checkpoint is set)
+    checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
+    seed: int = 0  # weights seed for a preset
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
+    backend: str = "torch"  # torch (the only backend of this release)
+    threads: int = 1  # torch intra-op threads; 0 = torch's default
+    instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
+    vision_frames: int | None = None  # frames kept in the vision memory; None: the model's (positions only)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is None:
+            choose("model.preset", self.preset, PRESETS)
+        require(self.dtype in ("fp32", "bf16", "fp16"), "model.dtype", self.dtype, "fp32, bf16 or fp16")
+        require(self.backend == "torch", "model.backend", self.backend, "'torch'")
+        require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
+        require(self.vision_frames is None or (isinstance(self.vision_frames, int) and self.vision_frames >= 1),
+                "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")
+
+    def model_config(self) -> ModelConfig:
+        if self.checkpoint is not None:
+            from vla_node.model.checkpoint import read_config
+
+            config = read_config(self.checkpoint)
+        else:
+            config = PRESETS[self.preset]
+        return config if self.vision_frames is None else config.replace(vision_frames=self.vision_frames)
+
+
+@dataclass(frozen=True)
+class CameraConfig:
+    """A camera the node accepts (topic frame/<name>); frames of any size up to the maximum are resized."""
+
+    name: str = "front"
+    max_width: int = 1920
+    max_height: int = 1080
+
+    def __post_init__(self) -> None:
+        CameraSpec(self.name, self.max_width, self.max_height)  # validates
+
+    def spec(self) -> CameraSpec:
+        return CameraSpec(self.name, self.max_width, self.max_height)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    period_s: float = 1.0  # health topic period
+    camera_timeout_ms: float = 500.0  # a camera with no frame for this long is not alive
+    min_camera_hz: float = 5.0  # a camera slower than this has rate ok = false
+
+    def __post_init__(self) -> None:
+        for key in ("period_s", "camera_timeout_ms", "min_camera_hz"):
+            value = getattr(self, key)
+            require(isinstance(value, (int, float)) and value > 0, f"health.{key}", value, "a number > 0")
+
+
+@dataclass(frozen=True)
+class RealtimeConfig:
+    gc_freeze: bool = True  # gc.collect(); gc.freeze() after warm-up, automatic GC off in the loop
+    cpu_affinity: tuple[int, ...] = ()  # CPUs for the node's process; () = leave as is
+    sched_fifo_priority: int = 0  # SCHED_FIFO priority 1-99 where permitted; 0 = off
+
+    def __post_init__(self) -> None:
+        require(all(isinstance(c, int) and c >= 0 for c in self.cpu_affinity), "realtime.cpu_affinity",
+                self.cpu_affinity, "a list of CPU indices >= 0")
+        require(isinstance(self.sched_fifo_priority, int) and 0 <= self.sched_fifo_priority <= 99,
+                "realtime.sched_fifo_priority", self.sched_fifo_priority, "an integer in [0, 99] (0 = off)")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    cameras: tuple[CameraConfig, ...] = (CameraConfig(),)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.cameras]
+        require(len(names) >= 1 and len(set(names)) == len(names), "cameras", names, "one or more distinct names")
+        model = self.model.model_config()
+        require(len(self.cameras) == model.num_cameras, "cameras", names,
+                f"{model.num_cameras} camera(s), as many as the model takes")
+        if self.scheduler.fallback_action is not None:
+            require(len(self.scheduler.fallback_action) == model.action_dims, "scheduler.fallback_action",
+                    self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
+
+    def replace(self, **sections) -> "NodeConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def load_launch(path: str | Path) -> NodeConfig:
+    """Read and validate a TOML launch file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: launch file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    try:
+        return from_dict(NodeConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def default_launch() -> Path:
+    return LAUNCH_DIR / "cpu.toml"

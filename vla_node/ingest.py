@@ -1,0 +1,116 @@
+"""Ingest: raw multipart messages in, validated latest frame per camera and latest commands out.
+
+No sockets here (the transport drains them); every message is validated, and every drop and reject is
+counted with its reason. Latest frame wins: an older frame still unprocessed when a newer one arrives is
+counted as dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from vla_node.codec import CodecError
+from vla_node.protocol import CameraSpec, Frame, Instruction, ProtocolError, ProtocolLimits, decode_command, decode_frame
+
+
+@dataclass
+class CameraStats:
+    received: int = 0
+    processed: int = 0
+    dropped: int = 0  # superseded by a newer frame before it was processed
+    last_arrival_ns: int | None = None
+    last_seq: int | None = None
+    window_count: int = 0  # frames received since the last health report
+
+
+class Ingest:
+    def __init__(self, cameras: list[CameraSpec], limits: ProtocolLimits, state_dim: int, max_text_bytes: int) -> None:
+        self.cameras = {c.name: c for c in cameras}
+        self.order = [c.name for c in cameras]
+        self.limits = limits
+        self.state_dim = state_dim
+        self.max_text_bytes = max_text_bytes
+        self.latest: dict[str, Frame | None] = {name: None for name in self.order}  # newest unprocessed frame
+        self.current: dict[str, Frame | None] = {name: None for name in self.order}  # newest frame seen
+        self.stats = {name: CameraStats() for name in self.order}
+        self.rejects: Counter[str] = Counter()
+        self.instruction: str | None = None  # the newest accepted instruction text
+        self.instruction_seq = -1
+        self.state: np.ndarray | None = None
+        self.commands = 0
+        self.dropped_in_queue = 0  # older frames drained together with a newer one of the same camera
+
+    def reject(self, reason: str) -> None:
+        self.rejects[reason] += 1
+
+    def add_frames(self, latest_parts: dict, dropped_in_socket: int, now_ns: int) -> None:
+        """latest_parts: topic -> newest parts per topic and the count of older frames drained with them
+        (from NodeTransport.drain_frames): those never reach the model and are counted as dropped."""
+        self.dropped_in_queue += dropped_in_socket
+        for parts in latest_parts.values():
+            try:
+                frame = decode_frame(parts, self.cameras, self.limits)
+            except (ProtocolError, CodecError) as e:
+                self.reject(getattr(e, "reason", "bad_message"))
+                continue
+            stats = self.stats[frame.camera]
+            stats.received += 1
+            stats.window_count += 1
+            stats.last_arrival_ns = now_ns
+            stats.last_seq = frame.seq
+            if self.latest[frame.camera] is not None:
+                stats.dropped += 1
+            self.latest[frame.camera] = frame
+            self.current[frame.camera] = frame
+
+    def add_commands(self, messages: list) -> None:
+        for parts in messages:
+            try:
+                command = decode_command(parts, self.limits)
+            except (ProtocolError, CodecError) as e:
+                self.reject(getattr(e, "reason", "bad_message"))
+                continue
+            if isinstance(command, Instruction):
+                if len(command.text.encode("utf-8")) > self.max_text_bytes:
+                    self.reject("instruction_too_long")
+                    continue
+                if command.seq > self.instruction_seq or self.instruction is None:
+                    self.instruction, self.instruction_seq = command.text, command.seq
+            else:
+                if command.values.shape != (self.state_dim,):
+                    self.reject("bad_state_dim")
+                    continue
+                self.state = command.values
+            self.commands += 1
+
+    def ready(self) -> bool:
+        """A new frame of the primary camera, and a frame of every other camera."""
+        primary = self.order[0]
+        return self.latest[primary] is not None and all(self.current[n] is not None for n in self.order)
+
+    def take(self) -> list[Frame]:
+        """The frames to process (one per camera, newest), marking them processed."""
+        frames = [self.current[n] for n in self.order]
+        for name in self.order:
+            if self.latest[name] is not None:
+                self.stats[name].processed += 1
+            self.latest[name] = None
+        return frames
+
+    def health(self, now_ns: int, period_s: float, timeout_ns: int, min_hz: float) -> dict:
+        cameras = {}
+        for name, s in self.stats.items():
+            rate = s.window_count / period_s if period_s > 0 else 0.0
+            alive = s.last_arrival_ns is not None and now_ns - s.last_arrival_ns <= timeout_ns
+            cameras[name] = {"alive": alive, "rate_hz": round(rate, 2), "rate_ok": alive and rate >= min_hz,
+                             "received": s.received, "processed": s.processed, "dropped": s.dropped,
+                             "last_seq": s.last_seq}
+            s.window_count = 0
+        dropped = self.dropped_in_queue + sum(s.dropped for s in self.stats.values())
+        return {"cameras": cameras, "rejects": dict(self.rejects), "rejected": sum(self.rejects.values()),
+                "drops": {"superseded_in_queue": self.dropped_in_queue,
+                          "superseded_unprocessed": dropped - self.dropped_in_queue},
+                "frames_dropped": dropped, "commands": self.commands}
