@@ -15,7 +15,7 @@ from vla_node.reference import ReferencePolicy
 from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.timing import time_ms
 
-INSTRUCTION = "keep the lane, follow the car ahead at a safe distance"
+INSTRUCTION = "keep the lane, follow the car ahead"
 
 
 def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int) -> dict[str, float]:
@@ -41,7 +41,10 @@ def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int
     return time_ms(run, iters)
 
 
-def run(preset_name: str = "small", iters: int = 5, iters_bf16: int = 2, json_path: str | None = None) -> dict:
+def run(preset_name: str = "small", iters: int = 5, iters_bf16: int = 2, threads: int = 1,
+        json_path: str | None = None) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
     config = preset(preset_name)
     frame = next(iter(synthetic_frames(SyntheticDriveConfig(width=640, height=480, fps=10, seconds=1, seed=0))))[1]
     state = np.zeros(config.state_dim, np.float32)

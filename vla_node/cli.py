@@ -27,9 +27,52 @@ def cmd_bench(args) -> int:
     if args.what == "model":
         from vla_node import bench_model
 
-        bench_model.run(args.preset, iters=args.iters, json_path=args.json)
-        return 0
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+        bench_model.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json)
+    elif args.what == "cache":
+        from vla_node import bench_cache
+
+        bench_cache.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json)
+    elif args.what == "node":
+        from vla_node import bench_node
+
+        bench_node.run(args.preset, seconds=args.seconds, json_path=args.json)
+    else:
+        from vla_node import bench_reuse
+
+        if not args.drives:
+            raise ValueError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
+        bench_reuse.run(args.drives, preset=args.preset, threads=args.threads, json_path=args.json)
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from vla_node.replay import replay
+
+    replay(args.drive, launch=args.launch, connect=args.connect, rate=args.rate,
+           as_fast_as_possible=args.as_fast_as_possible, loop=args.loop, topic=args.topic, out_dir=args.out)
+    return 0
+
+
+def cmd_record(args) -> int:
+    from vla_node.record import record
+
+    record(args.launch, args.out, duration_s=args.duration)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from vla_node.demo import demo
+
+    demo(out_dir=args.out, seconds=args.seconds, launch=args.launch)
+    return 0
+
+
+def cmd_report_compare(args) -> int:
+    from vla_node.report import compare_reports, load_report
+
+    text, regressed = compare_reports(load_report(args.a), load_report(args.b), args.max_regression)
+    print(text)
+    return 1 if regressed else 0
 
 
 def launch_config(args):
@@ -113,10 +156,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--camera", default="front")
     p.set_defaults(func=cmd_convert)
 
+    p = sub.add_parser("replay", help="replay a drive through the node and write a latency report")
+    p.add_argument("drive", help="a native drive (.mcap), a ROS 2 bag (.mcap) or an mp4")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--launch", help="start the node with this launch file (default launch/cpu.toml)")
+    target.add_argument("--connect", action="store_true", help="use a node already running at the launch addresses")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--rate", type=float, default=1.0, help="replay speed (1 = recorded timing)")
+    speed.add_argument("--as-fast-as-possible", action="store_true", help="send frames as fast as the node takes them")
+    p.add_argument("--loop", type=int, default=1, help="replay the drive N times")
+    p.add_argument("--topic", help="the image topic (bags with several)")
+    p.add_argument("--out", default="out/replay", help="report directory")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("record", help="record a running node's frames, commands, actions and health")
+    p.add_argument("--launch", required=True, help="the launch file of the running node (its addresses)")
+    p.add_argument("--out", required=True, help="DRIVE.mcap to write")
+    p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("demo", help="replay a synthetic drive through the node and write its report")
+    p.add_argument("--out", default="out/demo", help="report directory")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the synthetic drive")
+    p.add_argument("--launch", help="launch file (default launch/cpu.toml)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("report", help="work with latency reports")
+    report_sub = p.add_subparsers(dest="report_command", required=True)
+    q = report_sub.add_parser("compare", help="compare two report.json files; exit 1 on a regression")
+    q.add_argument("a", help="baseline report.json")
+    q.add_argument("b", help="new report.json")
+    q.add_argument("--max-regression", type=float, default=10.0, help="allowed p99 / misses growth in %%")
+    q.set_defaults(func=cmd_report_compare)
+
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
-    p.add_argument("what", choices=["model"])
+    p.add_argument("what", choices=["model", "cache", "node", "reuse"])
+    p.add_argument("drives", nargs="*", help="bench reuse: mp4 files or drives")
     p.add_argument("--preset", default="small")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids OpenMP spin on small CPUs)")
+    p.add_argument("--seconds", type=float, default=60.0, help="bench node: run length")
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_bench)
     return parser
