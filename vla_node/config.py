@@ -7,6 +7,7 @@ allowed, an unknown key with a did-you-mean.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class ModelSection:
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
+    device: str = "cpu"  # torch device: cpu | cuda | cuda:N
     backend: str = "torch"  # torch (the only backend of this release)
     threads: int = 1  # torch intra-op threads; 0 = torch's default
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
@@ -41,6 +43,8 @@ class ModelSection:
             choose("model.preset", self.preset, PRESETS)
         require(self.dtype in ("fp32", "bf16", "fp16"), "model.dtype", self.dtype, "fp32, bf16 or fp16")
         require(self.backend == "torch", "model.backend", self.backend, "'torch'")
+        require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                "model.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
         require(self.vision_frames is None or (isinstance(self.vision_frames, int) and self.vision_frames >= 1),
                 "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")

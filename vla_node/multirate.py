@@ -16,6 +16,7 @@ in fp32 and no eviction, this equals the reference policy (tests/test_multirate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -33,6 +34,17 @@ from vla_node.validate import require
 
 Check = Callable[[float], bool]  # called with the fraction of the block done; False = stop now (out of budget)
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
+
+
+def on_device(verb):
+    """Run a policy verb in inference mode with its device as the default for new tensors."""
+
+    @functools.wraps(verb)
+    def wrapper(self, *args, **kwargs):
+        with torch.inference_mode(), self.device:
+            return verb(self, *args, **kwargs)
+
+    return wrapper
 
 
 class StageAborted(Exception):
@@ -75,9 +87,15 @@ class CacheConfig:
 
 
 class MultiRatePolicy:
-    def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32) -> None:
-        self.model = model.to(dtype)
+    def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=dtype)
         self.dtype = dtype
+        with self.device:  # every buffer below is allocated on the device
+            self._allocate(model, cache, dtype)
+
+    def _allocate(self, model: VLA, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.cache_config = cache
         c = self.config = model.config
         self.bins = ActionBins(c)
@@ -87,9 +105,10 @@ class MultiRatePolicy:
         vcfg = dataclasses.replace(v, window_frames=c.vision_frames, tokens_per_frame=c.tokens_per_frame,
                                    quota_min_tokens=min(v.quota_min_tokens, c.tokens_per_frame),
                                    h2o_protect_frames=min(v.h2o_protect_frames, c.vision_frames - 1))
-        self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd))
-        self.vision = VisionMemory.build(vcfg, L, KV, hd, compute_dtype=dtype)
-        self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd))
+        dev = self.device
+        self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd), dev)
+        self.vision = VisionMemory.build(vcfg, L, KV, hd, device=dev, compute_dtype=dtype)
+        self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd), dev)
         self._read = {p.name: self._read_buffers(p) for p in (self.text, self.action)}
         # staging: the K/V a stage computes, laid out text | frames | states, committed at the end
         self._stage_k = torch.zeros(L, KV, c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
@@ -175,7 +194,7 @@ class MultiRatePolicy:
         return [*self._vision_prefix(layer), self._segment(self.action, layer)]
 
     # --- stages ---------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @on_device
     def update_text(self, instruction: str, check: Check | None = None) -> None:
         """Recompute the text partition, then every cached frame and state (they attend to the text)."""
         c = self.config
@@ -212,7 +231,7 @@ class MultiRatePolicy:
             raise ValueError(f"{len(frames)} camera frames: expected {c.num_cameras}")
         return np.stack([preprocess_frame(f, c.image_size) for f in frames])
 
-    @torch.inference_mode()
+    @on_device
     def update_vision(self, images: np.ndarray, tokens: list[torch.Tensor | None] | None = None,
                       scene_cut: bool = False, check: Check | None = None) -> VisionUpdate:
         """images uint8 [C, S, S, 3] (prepare_frames). `tokens`: per camera, the token indices to recompute
@@ -223,9 +242,10 @@ class MultiRatePolicy:
             raise RuntimeError("update_vision before update_text: the instruction must be set first")
         c = self.config
         T = c.tokens_per_camera
-        pixels = to_pixels(images, self.dtype)  # [C, 3, S, S]
+        pixels = to_pixels(images, self.dtype).to(self.device)  # [C, 3, S, S]
         if scene_cut or tokens is None:
             tokens = [None] * c.num_cameras
+        tokens = [None if t is None else t.to(self.device) for t in tokens]
         partial = self._decoder_reuse and bool(self._frame_ids) and all(self.tower_cache.valid) \
             and all(t is not None for t in tokens)
         try:
@@ -311,13 +331,13 @@ class MultiRatePolicy:
         self._run_block(self._state_embeds[valid], positions, self._vision_prefix, self._eye[:n, :n], k_s, v_s, None)
         self.action.write(valid, k_s, v_s, positions, 0)
 
-    @torch.inference_mode()
+    @on_device
     def action_tick(self, state, check: Check | None = None) -> ActionChunk:
         """Append the state token (ring slot) and decode an action chunk [H, D]; committed only at the end."""
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
         c = self.config
-        s = check_state(state, c.state_dim).to(self.dtype)
+        s = check_state(state, c.state_dim).to(self.device, self.dtype)
         slot = self.state_count % c.state_slots
         x = self.model.embed_state(s)  # [1, hidden]
         k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
@@ -340,7 +360,8 @@ class MultiRatePolicy:
         if self._track_importance:
             for i, imp in enumerate(self._importance):
                 self.vision.add_importance(None, imp, segment=i)
-        return ActionChunk(self.bins.to_values(bins), bins, self._logits.clone())
+        logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
+        return ActionChunk(self.bins.to_values(bins), bins, logits)
 
     def _decode_queries(self, prefix: Callable[[int], list[Segment]], check: Check | None) -> np.ndarray:
         """Run the H*D action queries over the prefix; logits into self._logits; returns bins [H, D]."""
@@ -352,7 +373,7 @@ class MultiRatePolicy:
             x = m.embed_text(m.query_ids(None))
             h = self._run_block(x, positions, prefix, self._query_causal, None, None, check, importance)
             self._logits.copy_(m.decoder.logits(h))
-            return self.bins.bins_from_logits(self._logits).numpy()
+            return self.bins.bins_from_logits(self._logits).cpu().numpy()
         bins = torch.zeros(0, dtype=torch.long)
         for i in range(n):
             x = m.embed_text(m.query_ids(bins)[i : i + 1])  # [1, hidden]
@@ -365,7 +386,7 @@ class MultiRatePolicy:
                                 check, importance)
             self._logits[i].copy_(m.decoder.logits(h)[0])
             bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
-        return bins.reshape(c.action_horizon, c.action_dims).numpy()  # [H*D] -> [H, D]
+        return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]
 
     # --- accounting -----------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:

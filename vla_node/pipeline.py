@@ -23,6 +23,7 @@ from vla_node.protocol import Frame
 from vla_node.reuse import ReuseGate
 from vla_node.scheduler import ChunkBroker, FramePlan, Scheduler
 from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
+from vla_node.validate import ConfigError
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,11 +86,16 @@ class Pipeline:
         self.config = config
         self.clock = clock
         dtype = DTYPES[config.model.dtype]
-        self.policy = MultiRatePolicy(load_model(config), config.cache, dtype)
+        device = config.model.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "
+                              "on this machine; use 'cpu'")
+        self.policy = MultiRatePolicy(load_model(config), config.cache, dtype, device)
         c = self.policy.config
         self.small = None
         if config.scheduler.smaller_preset is not None:
-            self.small = MultiRatePolicy(load_model(config, config.scheduler.smaller_preset), config.cache, dtype)
+            self.small = MultiRatePolicy(load_model(config, config.scheduler.smaller_preset), config.cache, dtype,
+                                         device)
         self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
         self.broker = ChunkBroker.from_config(config.scheduler, c.action_horizon, c.action_dims)
         self.state = np.zeros(c.state_dim, np.float32)
@@ -210,9 +216,8 @@ class Pipeline:
         if self.config.reuse.max_refresh is not None:
             cap = self.config.reuse.max_refresh if cap is None else min(cap, self.config.reuse.max_refresh)
         plans = [gate.plan(images[i], threshold=threshold, max_refresh=cap) for i, gate in enumerate(self.gates)]
-        scene_cut = any(p.scene_cut for p in plans)
-        tokens = [None if (p.full and p.refresh.size == c.tokens_per_camera) else torch.from_numpy(p.refresh)
-                  for p in plans]
+        scene_cut = any(p.scene_cut and p.full for p in plans)  # a capped scene cut refreshes over several frames
+        tokens = [None if p.full else torch.tensor(p.refresh) for p in plans]
         update = run("vision", lambda check: policy.update_vision(images, tokens, scene_cut, check))
         if update is not None:
             for gate, p, i in zip(self.gates, plans, range(len(plans))):

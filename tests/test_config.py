@@ -1,0 +1,62 @@
+"""Launch files: real TOML, every key commented, bad values fail at load naming key, value and what is allowed."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vla_node.config import LAUNCH_DIR, NodeConfig, load_launch
+from vla_node.validate import ConfigError
+
+pytestmark = pytest.mark.unit
+LAUNCH_FILES = sorted(LAUNCH_DIR.glob("*.toml"))
+
+
+def test_the_three_platform_launch_files_exist():
+    assert {p.name for p in LAUNCH_FILES} >= {"cpu.toml", "rtx.toml", "jetson-orin.toml"}
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_launch_file_loads_and_every_key_is_commented(path):
+    config = load_launch(path)
+    assert isinstance(config, NodeConfig)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if re.match(r"^\s*[A-Za-z_]+\s*=", line):  # a key = value line
+            assert "#" in line, f"{path.name}:{number} has no comment: {line!r}"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "launch.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[model]\npreset = 'smal'\n", "model.preset = 'smal': expected one of ['base', 'small', 'tiny'] (did you mean 'small'?)"),
+    ("[model]\npresett = 'small'\n", "model.presett: unknown key"),
+    ("[scheduler]\ncontrol_hz = -5\n", "scheduler.control_hz = -5"),
+    ("[scheduler]\ncontrol_hz = 'fast'\n", "scheduler.control_hz = 'fast': expected a number"),
+    ("[cache]\nattention = 'flash'\n", "cache.attention = 'flash'"),
+    ("[cache.vision]\npolicy = 'lru'\n", "policy = 'lru'"),
+    ("[reuse]\nthreshold = -1.0\n", "reuse.threshold = -1.0"),
+    ("[transport]\nactions = 'tcp://0.0.0.0:5562'\n", "transport.actions = 'tcp://0.0.0.0:5562'"),
+    ("[[cameras]]\nname = 'front'\n[[cameras]]\nname = 'front'\n", "cameras = ['front', 'front']"),
+    ("[scheduler]\nfallback_action = [0.0]\n", "scheduler.fallback_action = (0.0,): expected 2 values"),
+    ("[model]\ndevice = 'tpu'\n", "model.device = 'tpu'"),
+    ("[model\npreset = 'small'\n", "invalid TOML"),
+])
+def test_bad_values_fail_at_load_with_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        load_launch(write(tmp_path, text))
+    assert message in str(info.value)
+    assert str(tmp_path / "launch.toml") in str(info.value)
+
+
+def test_missing_launch_file():
+    with pytest.raises(ConfigError, match="launch file not found"):
+        load_launch("/nonexistent/launch.toml")
+
+
+def test_non_loopback_needs_an_explicit_setting(tmp_path):
+    config = load_launch(write(tmp_path, "[transport]\nallow_non_loopback = true\nactions = 'tcp://0.0.0.0:5562'\n"))
+    assert config.transport.actions == "tcp://0.0.0.0:5562"
