@@ -122,9 +122,8 @@ class Pipeline:
             if policy is None:
                 continue
             for frame in frames:
-                images = policy.prepare_frames([frame] * c.num_cameras)
                 timed(prefix + "text", lambda: policy.update_text(self.config.model.instruction))
-                timed(prefix + "vision", lambda: policy.update_vision(images))
+                timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * c.num_cameras)))
                 timed(prefix + "action", lambda: policy.action_tick(self.state))
         self.instruction = self.config.model.instruction
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True,
@@ -152,9 +151,6 @@ class Pipeline:
             return plan
         policy = self.small if knobs.use_smaller_engine else self.policy
         budget = plan.budget
-        t0 = self.clock()
-        images = policy.prepare_frames([f.rgb for f in frames])
-        preprocess_ms = (self.clock() - t0) / 1e6
         tokens_refreshed, reuse_ratio = None, None
 
         def run(stage: str, work: Callable[[Callable[[float], bool]], object]) -> object | None:
@@ -185,7 +181,7 @@ class Pipeline:
                 if policy is self.small:
                     self.policy.update_text(instruction)  # keep the main engine in step
         if plan.run_vision:
-            update = self._vision(policy, images, knobs, plan, run)
+            update = self._vision(policy, frames, knobs, plan, run)
             if update is not None:
                 tokens_refreshed, reuse_ratio = update.tokens_refreshed, update.reuse_ratio
         chunk = None
@@ -194,7 +190,6 @@ class Pipeline:
         outcome = budget.outcome()
         if chunk is not None:
             timing = outcome.timing_ms()
-            timing["preprocess"] = preprocess_ms
             timing["total"] = (self.clock() - now) / 1e6
             self.metrics = FrameMetrics(primary.seq, plan.level, tokens_refreshed, reuse_ratio)
             self.broker.offer(chunk.actions, primary.seq, primary.stamp_ns, self.clock(), plan.level, timing,
@@ -203,23 +198,33 @@ class Pipeline:
         sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
         return plan
 
-    def _vision(self, policy: MultiRatePolicy, images: np.ndarray, knobs, plan: FramePlan, run):
+    def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
+        """The vision stage: resize to the model input, plan reuse, update; the gates commit with it."""
         c = policy.config
         if policy is self.small or plan.instruction_changed:
             # the smaller engine's cache is not kept frame by frame, and a new instruction invalidates
             # every cached vision token: a full refresh either way
-            return run("vision", lambda check: policy.update_vision(images, None, False, check))
+            return run("vision", lambda check: policy.update_vision(
+                policy.prepare_frames([f.rgb for f in frames]), None, False, check))
         threshold = self.config.reuse.threshold * knobs.reuse_threshold_scale
         cap = None
         if knobs.max_refresh_fraction < 1.0:
             cap = max(1, int(c.tokens_per_camera * knobs.max_refresh_fraction))
         if self.config.reuse.max_refresh is not None:
             cap = self.config.reuse.max_refresh if cap is None else min(cap, self.config.reuse.max_refresh)
-        plans = [gate.plan(images[i], threshold=threshold, max_refresh=cap) for i, gate in enumerate(self.gates)]
-        scene_cut = any(p.scene_cut and p.full for p in plans)  # a capped scene cut refreshes over several frames
-        tokens = [None if p.full else torch.tensor(p.refresh) for p in plans]
-        update = run("vision", lambda check: policy.update_vision(images, tokens, scene_cut, check))
-        if update is not None:
-            for gate, p, i in zip(self.gates, plans, range(len(plans))):
-                gate.commit(p, images[i])
+        staged = []
+
+        def work(check):
+            images = policy.prepare_frames([f.rgb for f in frames])  # [C, S, S, 3]
+            plans = [gate.plan(images[i], threshold=threshold, max_refresh=cap) for i, gate in enumerate(self.gates)]
+            scene_cut = any(p.scene_cut and p.full for p in plans)  # a capped cut refreshes over several frames
+            tokens = [None if p.full else torch.tensor(p.refresh) for p in plans]
+            update = policy.update_vision(images, tokens, scene_cut, check)
+            staged.extend(zip(self.gates, plans, images))
+            return update
+
+        update = run("vision", work)
+        if update is not None:  # the gates move only with the cache
+            for gate, reuse_plan, image in staged:
+                gate.commit(reuse_plan, image)
         return update
