@@ -1,0 +1,84 @@
+"""`vla-node replay | record | demo` through the CLI's entry point: user errors are one line and exit 2.
+
+Needs the lead's wiring in cli.py (subcommands built with replay.add_replay_arguments / replay.replay_command,
+record.add_record_arguments / record.record_command, demo.add_demo_arguments / demo.demo_command, and
+replay.NodeProcessError among the user errors)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from node_helpers import TINY_LAUNCH
+from vla_node.cli import main
+from vla_node.drive import DriveWriter
+from vla_node.replay import private_addresses
+
+
+def tiny_drive(path):
+    with DriveWriter(path) as writer:
+        for i in range(3):
+            writer.add_frame("front", i, i * 100_000_000, "rgb8", 8, 8, bytes(192))
+    return path
+
+
+def error_line(capsys, command: str, *fragments: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"vla-node {command}: error: ")
+    for fragment in fragments:
+        assert fragment in last
+
+
+@pytest.mark.unit
+def test_replay_user_errors_exit_2_with_one_line(tmp_path, capsys):
+    cut = tiny_drive(tmp_path / "cut.mcap")
+    cut.write_bytes(cut.read_bytes()[:-100])
+    out = str(tmp_path / "out")
+    assert main(["replay", str(cut), "--launch", str(TINY_LAUNCH), "--out", out]) == 2
+    error_line(capsys, "replay", str(cut), "truncated MCAP")
+    good = tiny_drive(tmp_path / "good.mcap")
+    assert main(["replay", str(good), "--launch", str(TINY_LAUNCH), "--topic", "/nope", "--out", out]) == 2
+    error_line(capsys, "replay", "no image topic '/nope'")
+    assert main(["replay", str(good), "--launch", str(TINY_LAUNCH), "--rate", "-1", "--out", out]) == 2
+    error_line(capsys, "replay", "rate")
+    assert main(["replay", str(tmp_path / "missing.mcap"), "--launch", str(TINY_LAUNCH), "--out", out]) == 2
+    error_line(capsys, "replay", "no such file")
+
+
+@pytest.mark.node
+def test_replay_connect_without_a_node_exits_2(tmp_path, capsys):
+    addresses = private_addresses()
+    drive = tiny_drive(tmp_path / "d.mcap")
+    argv = ["replay", str(drive), "--launch", str(TINY_LAUNCH), "--connect", "--warmup-timeout", "1",
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    for key, address in addresses.items():
+        argv += [f"--{key}", address]
+    assert main(argv) == 2
+    error_line(capsys, "replay", "no node answered within 1 s")
+
+
+@pytest.mark.unit
+def test_record_and_demo_user_errors_exit_2(tmp_path, capsys):
+    existing = tmp_path / "exists.mcap"
+    existing.write_bytes(b"x")
+    assert main(["record", "--launch", str(TINY_LAUNCH), "--out", str(existing), "--duration", "1"]) == 2
+    error_line(capsys, "record", "exists")
+    assert main(["demo", "--seconds", "0", "--out", str(tmp_path / "demo")]) == 2
+    error_line(capsys, "demo", "seconds")
+
+
+@pytest.mark.unit
+def test_the_installed_command_prints_no_traceback(tmp_path):
+    corrupt = tmp_path / "corrupt.mcap"
+    corrupt.write_bytes(b"\x89MCAP0\r\n" + b"\x00" * 64 + b"\x89MCAP0\r\n")
+    result = subprocess.run([sys.executable, "-m", "vla_node.cli", "replay", str(corrupt), "--launch",
+                             str(TINY_LAUNCH), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("vla-node replay: error: ") and str(corrupt) in lines[-1]
