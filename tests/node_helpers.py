@@ -20,7 +20,7 @@ from vla_node.config import load_launch
 from vla_node.protocol import (
     CameraSpec, ProtocolError, decode_command, decode_frame, encode_action, encode_health,
 )
-from vla_node.replay import NodeProcess, private_addresses
+from vla_node.node_process import NodeProcess, private_addresses
 from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.transport import NodeTransport
 from vla_node.video import JpegEncoder

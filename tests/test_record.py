@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 
 from node_helpers import TINY_LAUNCH, crc, road_frames, start_tiny_node
 from vla_node.drive import DriveWriter, open_drive
 from vla_node.record import record
-from vla_node.replay import private_addresses, replay
+from vla_node.node_process import private_addresses
+from vla_node.replay import replay
 from vla_node.transport import Client, TransportConfig
 from vla_node.validate import ConfigError
 

@@ -20,9 +20,8 @@ from node_helpers import (
 )
 from vla_node.convert import convert_video
 from vla_node.drive import DriveError, DriveWriter, open_drive
-from vla_node.replay import (
-    NodeProcessError, add_replay_arguments, private_addresses, replay, replay_command,
-)
+from vla_node.node_process import NodeProcessError, private_addresses
+from vla_node.replay import add_replay_arguments, replay, replay_command
 from vla_node.report import REPORT_KEYS, load_report
 from vla_node.validate import ConfigError
 

@@ -14,7 +14,7 @@ import pytest
 from node_helpers import TINY_LAUNCH
 from vla_node.cli import main
 from vla_node.drive import DriveWriter
-from vla_node.replay import private_addresses
+from vla_node.node_process import private_addresses
 
 
 def tiny_drive(path):

@@ -29,25 +29,19 @@ served an earlier replay cannot confuse the two.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import os
-import queue
-import secrets
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import zmq
 
-from vla_node.drive import DriveError, DriveFrame, DriveMessage, DriveReader, open_drive
+from vla_node.drive import DriveError, DriveMessage, DriveReader, open_drive
+from vla_node.node_process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
 from vla_node.progress import Progress
-from vla_node.protocol import ProtocolError, decode_action, decode_health
+from vla_node.replay_threads import Prefetch, Receiver
 from vla_node.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
 from vla_node.transport import Client, TransportConfig
 from vla_node.validate import ConfigError, require
@@ -55,236 +49,7 @@ from vla_node.validate import ConfigError, require
 if TYPE_CHECKING:
     from vla_node.config import NodeConfig
 
-ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 WARMUP_TIMEOUT_S = 300.0  # a cold small model on a busy 2-core CPU takes 10-30 s; a base model far longer
-STOP_TIMEOUT_S = 30.0  # SIGINT to exit
-PREFETCH_DEPTH = 8  # drive items decoded ahead of the sender
-LOG_TAIL_LINES = 12
-
-
-class NodeProcessError(RuntimeError):
-    """The node could not be reached, crashed, or did not stop; the message names the exit code and log."""
-
-
-# ---- the node process ----------------------------------------------------------------------------------
-
-
-def private_addresses() -> dict[str, str]:
-    """Four unused addresses: Linux abstract ipc (a second bind is refused, nothing to clean up), else free
-    loopback tcp ports."""
-    if sys.platform.startswith("linux"):
-        tag = f"vla-node-replay-{os.getpid()}-{secrets.token_hex(4)}"
-        return {key: f"ipc://@{tag}-{key}" for key in ADDRESS_KEYS}
-    ctx = zmq.Context.instance()
-    ports = []
-    for _ in ADDRESS_KEYS:
-        with ctx.socket(zmq.PUB) as probe:
-            ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
-    return {key: f"tcp://127.0.0.1:{port}" for key, port in zip(ADDRESS_KEYS, ports)}
-
-
-class NodeProcess:
-    """`vla-node run` in a child process (its own session, so a terminal's Ctrl-C reaches only the replay,
-    which stops the node itself); stdout and stderr go to log_path."""
-
-    def __init__(self, launch: Path, transport: TransportConfig, log_path: Path) -> None:
-        self.log_path = log_path
-        command = [sys.executable, "-m", "vla_node.cli", "run", "--launch", str(launch)]
-        for key in ADDRESS_KEYS:
-            command += [f"--{key}", getattr(transport, key)]
-        self._log = open(log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        except BaseException:
-            self._log.close()
-            raise
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as e:
-            return f"(log unreadable: {e})"
-        return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-    def error(self, when: str) -> NodeProcessError:
-        return NodeProcessError(f"the node exited with code {self.proc.returncode} {when}; last lines of "
-                                f"{self.log_path}:\n{self.tail()}")
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """SIGINT, wait; a node still running after timeout_s is killed and that is an error."""
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGINT)
-                try:
-                    self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                    raise NodeProcessError(f"the node did not stop within {timeout_s:g} s of SIGINT and was "
-                                           f"killed; last lines of {self.log_path}:\n{self.tail()}") from None
-            return self.proc.returncode
-        finally:
-            self._log.close()
-
-
-# ---- receiving -----------------------------------------------------------------------------------------
-
-
-def action_record(msg: Mapping[str, Any], recv_ns: int) -> ActionRecord:
-    return ActionRecord(
-        recv_ns=recv_ns, stamp_ns=msg["stamp_ns"], seq=msg["seq"], status=msg["status"], level=msg["level"],
-        frame_seq=msg["frame_seq"], frame_stamp_ns=msg["frame_stamp_ns"], timing_ms=msg["timing_ms"],
-        tokens_refreshed=msg.get("tokens_refreshed"), reuse_ratio=msg.get("reuse_ratio"),
-        kv_bytes=msg.get("kv_bytes"),
-    )
-
-
-class Receiver(threading.Thread):
-    """Collects every action and health message from the client's SUBs, stamped at arrival. Malformed
-    messages are counted (first reason kept); any other failure stops the thread and is re-raised by check()."""
-
-    def __init__(self, client: Client) -> None:
-        super().__init__(name="vla-replay-receiver", daemon=True)
-        self.client = client
-        self.actions: list[ActionRecord] = []
-        self.health: dict | None = None
-        self.health_count = 0
-        self.last_health_ns = 0  # arrival of the newest health message
-        self.rejected = 0
-        self.first_reject: str | None = None
-        self.error: BaseException | None = None
-        self._answered_stamp = -1  # newest frame_stamp_ns an action named
-        self._cond = threading.Condition()
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # re-raised in the sender's thread by check()
-            self.error = e
-        finally:
-            with self._cond:
-                self._cond.notify_all()
-
-    def _loop(self) -> None:
-        actions_sub, health_sub = self.client.actions_sub, self.client.health_sub
-        limits = self.client.limits
-        poller = zmq.Poller()
-        poller.register(actions_sub, zmq.POLLIN)
-        poller.register(health_sub, zmq.POLLIN)
-        while not self._stopping.is_set():
-            if not poller.poll(20):
-                continue
-            while True:
-                try:
-                    parts = actions_sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                recv_ns = time.monotonic_ns()
-                try:
-                    record = action_record(decode_action(parts, limits), recv_ns)
-                except (ProtocolError, ValueError) as e:  # a malformed action: counted, reported
-                    self._reject(f"action: {e}")
-                    continue
-                self.actions.append(record)
-                if record.frame_stamp_ns is not None and record.frame_stamp_ns > self._answered_stamp:
-                    with self._cond:
-                        self._answered_stamp = record.frame_stamp_ns
-                        self._cond.notify_all()
-            while True:
-                try:
-                    parts = health_sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                recv_ns = time.monotonic_ns()
-                try:
-                    msg = decode_health(parts, limits)
-                except ProtocolError as e:
-                    self._reject(f"health: {e}")
-                    continue
-                with self._cond:
-                    self.health, self.last_health_ns = msg, recv_ns
-                    self.health_count += 1
-                    self._cond.notify_all()
-
-    def _reject(self, reason: str) -> None:
-        self.rejected += 1
-        if self.first_reject is None:
-            self.first_reject = reason
-
-    def wait_answered(self, frame_stamp_ns: int, timeout_s: float) -> bool:
-        """Wait until an action names a frame stamped frame_stamp_ns or later."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: self._answered_stamp >= frame_stamp_ns or self.error is not None, timeout_s)
-
-    def wait_health_after(self, t_ns: int, timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.last_health_ns > t_ns or self.error is not None, timeout_s)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(5)
-
-
-# ---- reading the drive ahead of the sender -------------------------------------------------------------
-
-_END = object()
-
-
-class Prefetch(threading.Thread):
-    """Decodes drive items (frames of the mapped cameras and commands, merged in time order) `loops` times into
-    a small queue; an exception while reading is handed to the consumer."""
-
-    def __init__(self, drive: DriveReader, commands: list[DriveMessage], cameras: Mapping[str, str],
-                 loops: int) -> None:
-        super().__init__(name="vla-replay-reader", daemon=True)
-        self.drive, self.commands, self.cameras, self.loops = drive, commands, cameras, loops
-        self.items: queue.Queue = queue.Queue(PREFETCH_DEPTH)
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        try:
-            for loop in range(self.loops):
-                frames = (f for f in self.drive.frames() if f.camera in self.cameras)
-                # commands first at equal stamps: an instruction recorded with a frame applies to it
-                for item in heapq.merge(self.commands, frames, key=lambda m: m.stamp_ns):
-                    if not self._put((loop, item)):
-                        return
-        except BaseException as e:  # handed to the sender, which re-raises it
-            self._put(e)
-            return
-        self._put(_END)
-
-    def _put(self, item: object) -> bool:
-        while not self._stopping.is_set():
-            try:
-                self.items.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self) -> Iterator[tuple[int, DriveFrame | DriveMessage]]:
-        while True:
-            item = self.items.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(5)
 
 
 # ---- the replay ----------------------------------------------------------------------------------------
@@ -485,11 +250,11 @@ def replay(
     require(isinstance(loop, int) and not isinstance(loop, bool) and loop >= 1, "loop", loop, "an integer >= 1")
     require(isinstance(warmup_timeout_s, (int, float)) and warmup_timeout_s > 0, "warmup_timeout_s",
             warmup_timeout_s, "a number of seconds > 0")
+    reader = open_drive(drive, topic)  # first: a bad drive fails in a moment, before torch is imported
     from vla_node.config import default_launch, load_launch  # imports the model (torch): on use, not at import
 
     launch_path = Path(launch) if launch is not None else default_launch()
     config = load_launch(launch_path)
-    reader = open_drive(drive, topic)
     cameras = camera_map(reader, config)
     commands = list(reader.commands())
     transport = _addresses(config, addresses, connect)
