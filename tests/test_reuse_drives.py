@@ -1,0 +1,59 @@
+"""Vision-token reuse on a real dashcam drive: the gate and the policy as the node runs them (threshold 8, default
+cache: text bf16, vision int8) against the reference (full recompute, fp32) on the same frames."""
+
+import numpy as np
+import pytest
+
+from vla_node.bench_reuse import INSTRUCTION, GatedPolicy, ego_state, load_frames, logit_rel_err
+from vla_node.model import build_vla, preset
+from vla_node.multirate import CacheConfig, MultiRatePolicy
+from vla_node.reference import ReferencePolicy
+from vla_node.reuse import ReuseConfig
+
+pytestmark = pytest.mark.drives
+
+CLIP = "day_freeway_solid_white_right.mp4"
+FPS = 10
+FRAMES = 30  # the first 3 s of the drive at 10 fps (~1.5 s a frame for the reference and the reuse run)
+# What the node must show: most tokens reused, logits close to the reference's.
+MIN_REUSE_MEAN = 0.60
+MAX_LOGIT_REL_ERR = 0.05
+
+
+@pytest.fixture(scope="module")
+def reuse_on_drive(drives_dir):
+    path = drives_dir / CLIP
+    if not path.is_file():
+        pytest.skip(f"real drive {path} not present (set VLA_NODE_DRIVES to the shared drives folder)")
+    config = preset("small")
+    frames = load_frames(path, FPS, FRAMES, config.image_size)
+    model = build_vla(config, seed=0)
+    reference = ReferencePolicy(model)
+    gated = GatedPolicy(MultiRatePolicy(model, CacheConfig()), ReuseConfig(threshold=8.0))
+    gated.policy.update_text(INSTRUCTION)
+    state = ego_state(config)
+    ratios, errors = [], []
+    for frame in frames:
+        update, _ = gated.update_vision(frame[None])  # [S, S, 3] -> [1, S, S, 3]
+        ours = gated.policy.action_tick(state)
+        theirs = reference.step([frame], INSTRUCTION, state)
+        ratios.append(update.reuse_ratio)
+        errors.append(logit_rel_err(ours.logits, theirs.logits))
+    return {"frames": len(frames), "reuse": np.asarray(ratios[1:]), "logit_rel_err": np.asarray(errors)}
+
+
+def test_most_vision_tokens_are_reused(reuse_on_drive):
+    assert reuse_on_drive["frames"] == FRAMES
+    reuse = reuse_on_drive["reuse"]
+    assert reuse.mean() >= MIN_REUSE_MEAN, reuse.round(3).tolist()
+    assert reuse.min() > 0.0  # no full refresh on a steady freeway drive
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "reuse as implemented deviates far more than 5% from the reference here (measured over these 30 frames: "
+    "relative L2 of the action logits mean 18%, max 30%, growing with time; the reference itself moves 6.5% a "
+    "frame): reused tokens keep tower outputs and decoder K/V computed around older pictures. The gate's pixel "
+    "threshold alone costs 4.3% (reference run on the gate's reference picture: bench reuse --pixel-floor)"))
+def test_logits_stay_close_to_the_reference(reuse_on_drive):
+    errors = reuse_on_drive["logit_rel_err"]
+    assert errors.max() <= MAX_LOGIT_REL_ERR, errors.round(4).tolist()
