@@ -45,28 +45,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_replay(args) -> int:
-    from vla_node.replay import replay
-
-    replay(args.drive, launch=args.launch, connect=args.connect, rate=args.rate,
-           as_fast_as_possible=args.as_fast_as_possible, loop=args.loop, topic=args.topic, out_dir=args.out)
-    return 0
-
-
-def cmd_record(args) -> int:
-    from vla_node.record import record
-
-    record(args.launch, args.out, duration_s=args.duration)
-    return 0
-
-
-def cmd_demo(args) -> int:
-    from vla_node.demo import demo
-
-    demo(out_dir=args.out, seconds=args.seconds, launch=args.launch)
-    return 0
-
-
 def cmd_report_compare(args) -> int:
     from vla_node.report import compare_reports, load_report
 
@@ -156,30 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--camera", default="front")
     p.set_defaults(func=cmd_convert)
 
+    from vla_node import demo, record, replay
+
     p = sub.add_parser("replay", help="replay a drive through the node and write a latency report")
-    p.add_argument("drive", help="a native drive (.mcap), a ROS 2 bag (.mcap) or an mp4")
-    target = p.add_mutually_exclusive_group()
-    target.add_argument("--launch", help="start the node with this launch file (default launch/cpu.toml)")
-    target.add_argument("--connect", action="store_true", help="use a node already running at the launch addresses")
-    speed = p.add_mutually_exclusive_group()
-    speed.add_argument("--rate", type=float, default=1.0, help="replay speed (1 = recorded timing)")
-    speed.add_argument("--as-fast-as-possible", action="store_true", help="send frames as fast as the node takes them")
-    p.add_argument("--loop", type=int, default=1, help="replay the drive N times")
-    p.add_argument("--topic", help="the image topic (bags with several)")
-    p.add_argument("--out", default="out/replay", help="report directory")
-    p.set_defaults(func=cmd_replay)
+    replay.add_replay_arguments(p)
+    p.set_defaults(func=replay.replay_command)
 
     p = sub.add_parser("record", help="record a running node's frames, commands, actions and health")
-    p.add_argument("--launch", required=True, help="the launch file of the running node (its addresses)")
-    p.add_argument("--out", required=True, help="DRIVE.mcap to write")
-    p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
-    p.set_defaults(func=cmd_record)
+    record.add_record_arguments(p)
+    p.set_defaults(func=record.record_command)
 
     p = sub.add_parser("demo", help="replay a synthetic drive through the node and write its report")
-    p.add_argument("--out", default="out/demo", help="report directory")
-    p.add_argument("--seconds", type=float, default=20.0, help="length of the synthetic drive")
-    p.add_argument("--launch", help="launch file (default launch/cpu.toml)")
-    p.set_defaults(func=cmd_demo)
+    demo.add_demo_arguments(p)
+    p.set_defaults(func=demo.demo_command)
 
     p = sub.add_parser("report", help="work with latency reports")
     report_sub = p.add_subparsers(dest="report_command", required=True)
@@ -206,10 +173,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from vla_node.drive import DriveError
     from vla_node.model.checkpoint import CheckpointError
     from vla_node.model.tokenizer import TokenizerError
+    from vla_node.node_process import NodeProcessError
     from vla_node.report import ReportError
     from vla_node.validate import ConfigError
 
-    return (ConfigError, CheckpointError, DriveError, ReportError, TokenizerError, FileNotFoundError,
+    return (ConfigError, CheckpointError, DriveError, ReportError, TokenizerError, NodeProcessError, FileNotFoundError,
             FileExistsError, PermissionError, IsADirectoryError)
 
 
