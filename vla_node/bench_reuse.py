@@ -355,12 +355,13 @@ def print_table(results: dict) -> None:
           f"{'act %max':>8s} {'reuse-only':>10s} {'ref chg':>8s} {'px floor':>8s}")
     for clip, settings in results.items():
         for name, r in settings.items():
+            floor = f"{r['pixel_floor_logit_rel_err']:8.2e}" if "pixel_floor_logit_rel_err" in r else f"{'-':>8s}"
             print(f"{clip:36s} {name:13s} {r['frames']:6d} {r['reuse_ratio_mean']:6.1%} {r['reuse_ratio_p10']:6.1%} "
                   f"{r['vision_update_speedup']:7.2f} {r['vision_full_ms_median']:7.0f} "
                   f"{r['vision_reuse_ms_median']:8.0f} {r['logit_rel_err']:8.2e} {r['logit_rel_err_max']:8.2e} "
                   f"{r['top1_agreement']:6.3f} {r['action_dev_pct_mean']:6.2f} {r['action_dev_pct_max']:8.2f} "
                   f"{r['reuse_only_logit_rel_err']:10.2e} {r['ref_logit_change_mean']:8.2e} "
-                  f"{r.get('pixel_floor_logit_rel_err', float('nan')):8.2e}")
+                  f"{floor}")
 
 
 def _number_or_native(text: str) -> str | float:
