@@ -46,6 +46,21 @@ def private_addresses(**transport: Any) -> TransportConfig:
                            actions=f"ipc://@{tag}-actions", health=f"ipc://@{tag}-health", **transport)
 
 
+class FreshLost(AssertionError):
+    """The frame was processed on time and its chunk published, but its first tick went out as 'chunk' (step 1),
+    never as 'fresh'. The chunk broker counts steps from the chunk's production time to the publisher's actual
+    (jittered) tick time: when the first tick after production is late by more than the time between the
+    previous grid tick and the production, that tick is already step 1 (vla_node/node.py passes `now`, not the
+    tick's scheduled time, to ChunkBroker.next). Rare on a quiet machine, seen under heavy CPU contention."""
+
+    def __init__(self, frame_seq: int, msg: dict, before: list) -> None:
+        super().__init__(f"frame {frame_seq}: its chunk was first published as 'chunk' (step 1), never 'fresh': "
+                         f"{msg}")
+        self.frame_seq = frame_seq
+        self.msg = msg
+        self.before = before
+
+
 @dataclass(frozen=True)
 class Received:
     """An action or health map and when it arrived (time.monotonic_ns, the clock of the node's stamps)."""
@@ -117,12 +132,23 @@ class NodeProcess:
 class NodeUnderTest:
     """A node process plus a client bound on its addresses; helpers to stream frames and read actions."""
 
-    def __init__(self, process: NodeProcess, client: Client | None) -> None:
+    def __init__(self, process: NodeProcess, client: Client | None, delay_file: Path | None = None) -> None:
         self.process = process
         self.client = client
+        self.delay_file = delay_file  # the node's test-only stage delay file, when enabled
         self.next_seq = 0
         self.sent: dict[int, int] = {}  # every frame this harness published: seq -> stamp_ns
+        self.fresh_lost = 0  # frames retried by send_and_wait_fresh because of FreshLost
         self.rng = np.random.default_rng(0)
+
+    def set_delay(self, stage: str, ms: float) -> None:
+        """Make the node sleep `ms` in `stage` (0: no delay). The file is replaced atomically; the node re-reads
+        it at most every 50 ms."""
+        if self.delay_file is None:
+            raise RuntimeError("this node was started without stage_delay=True")
+        tmp = self.delay_file.with_suffix(".tmp")
+        tmp.write_text(f"{stage} {ms:g}\n")
+        os.replace(tmp, self.delay_file)
 
     # --- client ---------------------------------------------------------------------------------------------
     def connect(self, *, handshake_s: float | None = 60.0, **client_kwargs: Any) -> Client:
@@ -227,15 +253,18 @@ class NodeUnderTest:
             out.append(Received(time.monotonic_ns(), decode_action(parts)))
 
     def wait_fresh(self, frame_seq: int, timeout_s: float = 5.0) -> tuple[dict, list[Received]]:
-        """Read actions until a fresh one names frame_seq: (that action, every action read before it)."""
+        """Read actions until a fresh one names frame_seq: (that action, every action read before it).
+        Raises FreshLost when the frame's chunk is first published as 'chunk' (see FreshLost)."""
         before: list[Received] = []
         sock = self.client.actions_sub
         end = time.monotonic_ns() + int(timeout_s * 1e9)
         while (left := end - time.monotonic_ns()) > 0:
             if sock.poll(left // 1_000_000 + 1):
                 msg = decode_action(sock.recv_multipart())
-                if msg["status"] == "fresh" and msg["frame_seq"] == frame_seq:
+                if msg["frame_seq"] == frame_seq and msg["status"] == "fresh":
                     return msg, before
+                if msg["frame_seq"] == frame_seq and msg["status"] == "chunk":
+                    raise FreshLost(frame_seq, msg, before)
                 before.append(Received(time.monotonic_ns(), msg))
         self.check_alive(f"while waiting for a fresh action naming frame {frame_seq}")
         named = [(r.msg["status"], r.msg["frame_seq"]) for r in before[-12:]]
@@ -254,12 +283,21 @@ class NodeUnderTest:
                 if attempt == attempts - 1:
                     raise
 
-    def send_and_wait_fresh(self, timeout_s: float = 5.0) -> tuple[int, dict]:
-        """Drain old actions, publish one frame, wait for the fresh action naming it: (seq, action)."""
-        self.drain_actions()
-        seq, _ = self.send_frame()
-        action, _ = self.wait_fresh(seq, timeout_s)
-        return seq, action
+    def send_and_wait_fresh(self, timeout_s: float = 5.0, attempts: int = 3) -> tuple[int, dict]:
+        """Drain old actions, publish one frame, wait for the fresh action naming it: (seq, action).
+        A frame whose chunk was made but first published as 'chunk' (FreshLost) is retried with a new frame,
+        up to `attempts` frames in all."""
+        for attempt in range(attempts):
+            self.drain_actions()
+            seq, _ = self.send_frame()
+            try:
+                action, _ = self.wait_fresh(seq, timeout_s)
+                return seq, action
+            except FreshLost:
+                self.fresh_lost += 1
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     # --- health ---------------------------------------------------------------------------------------------
     def queued_health(self) -> list[dict]:
@@ -295,13 +333,21 @@ class NodeUnderTest:
 
 @contextlib.contextmanager
 def running_node(launch: Path = TINY_LAUNCH, log_dir: Path | None = None, *, env: dict[str, str] | None = None,
-                 handshake_s: float | None = 90.0, **client_kwargs: Any) -> Iterator[NodeUnderTest]:
+                 stage_delay: bool = False, handshake_s: float | None = 90.0,
+                 **client_kwargs: Any) -> Iterator[NodeUnderTest]:
     """Start a node on private addresses and a client bound there; handshake (unless handshake_s is None,
-    then no client is made: call node.connect); always stop the node and close the client at exit."""
+    then no client is made: call node.connect); always stop the node and close the client at exit.
+    stage_delay: enable the node's test-only stage delay (node.set_delay), initially none."""
     log_dir = Path(tempfile.mkdtemp(prefix="vla-node-test-")) if log_dir is None else Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    process = NodeProcess(launch, private_addresses(), log_dir / f"node-{uuid.uuid4().hex[:8]}.log", env)
-    node = NodeUnderTest(process, None)
+    name = f"node-{uuid.uuid4().hex[:8]}"
+    delay_file = None
+    if stage_delay:
+        delay_file = log_dir / f"{name}.delay"
+        delay_file.write_text("vision 0\n")
+        env = {**(env or {}), DELAY_ENV: str(delay_file)}
+    process = NodeProcess(launch, private_addresses(), log_dir / f"{name}.log", env)
+    node = NodeUnderTest(process, None, delay_file)
     try:
         if handshake_s is not None:
             node.connect(handshake_s=handshake_s, **client_kwargs)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from node_harness import DELAY_ENV, LAUNCH_DIR, PATIENT_LAUNCH, TINY_LAUNCH, check_action, running_node, tick_count
+from node_harness import (LAUNCH_DIR, PATIENT_LAUNCH, TINY_LAUNCH, FreshLost, check_action, running_node,
+                          tick_count)
 from vla_node.config import load_launch
 
 pytestmark = pytest.mark.node
@@ -22,29 +23,16 @@ FALLBACK = [0.0] * MODEL.action_dims  # the launch file sets no fallback_action:
 
 
 @pytest.fixture(scope="module")
-def delay_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("delay") / "delay.txt"
-    path.write_text("vision 0\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, delay_file):
-    with running_node(LAUNCH, tmp_path_factory.mktemp("node"), env={DELAY_ENV: str(delay_file)}) as node:
+def node(tmp_path_factory):
+    with running_node(LAUNCH, tmp_path_factory.mktemp("node"), stage_delay=True) as node:
         yield node
 
 
 @pytest.fixture(scope="module")
-def patient_node(tmp_path_factory, delay_file):
+def patient_node(tmp_path_factory):
     """Generous deadlines: a frame queued while the worker is held busy still makes a fresh action."""
-    with running_node(PATIENT_LAUNCH, tmp_path_factory.mktemp("patient"),
-                      env={DELAY_ENV: str(delay_file)}) as node:
+    with running_node(PATIENT_LAUNCH, tmp_path_factory.mktemp("patient"), stage_delay=True) as node:
         yield node
-
-
-def set_delay(path, stage: str, ms: float) -> None:
-    """The node re-reads the file at most every 50 ms."""
-    path.write_text(f"{stage} {ms:g}\n")
 
 
 def wait_level0(node, timeout_s: float = 20.0) -> dict:
@@ -97,31 +85,54 @@ def burst(node, frames: int, height: int = 48, width: int = 64) -> tuple[list[in
     return seqs, time.monotonic_ns() - t0
 
 
-def test_burst_of_100_frames_only_the_newest_is_processed(patient_node, delay_file):
+def quiescent(health: dict) -> bool:
+    """Every frame received so far was processed or superseded: nothing in flight."""
+    cam = health["cameras"]["front"]
+    return cam["received"] == cam["processed"] + cam["dropped"]
+
+
+def test_burst_of_100_frames_only_the_newest_is_processed(patient_node):
     node = patient_node
-    node.stream(1.0)
-    before = node.health()
-    # Keep the worker busy in the vision stage of a primer frame while the burst arrives, so that the whole
-    # burst is queued when the worker next drains (otherwise a drain could land mid-burst).
-    set_delay(delay_file, "vision", 300)
-    time.sleep(0.12)
-    node.drain_actions()
-    primer, _ = node.send_frame()
-    time.sleep(0.05)
-    seqs, send_ns = burst(node, 100)
-    set_delay(delay_file, "vision", 0)
-    newest = seqs[-1]
-    action, earlier = node.wait_fresh(newest, timeout_s=5.0)
-    later = node.recv_actions(0.5)
-    named = {r.msg["frame_seq"] for r in earlier + later if r.msg["status"] == "fresh"} | {action["frame_seq"]}
-    assert named <= {primer, newest}, (named, send_ns / 1e6)
-    after = node.health(until=lambda h: h["cameras"]["front"]["received"] >= before["cameras"]["front"]["received"] + 2)
-    cam0, cam1 = before["cameras"]["front"], after["cameras"]["front"]
-    processed = cam1["processed"] - cam0["processed"]
-    dropped = after["frames_dropped"] - before["frames_dropped"]
-    assert processed in (1, 2), (cam0, cam1)  # the newest, and the primer unless the burst superseded it
-    assert processed + dropped == 101, (processed, dropped, before["drops"], after["drops"])
-    assert after["rejected"] == before["rejected"]
+    for attempt in range(3):  # another burst only if tick jitter hid the newest frame's fresh tick (FreshLost)
+        node.stream(1.0)
+        before = node.health(until=quiescent)
+        # Keep the worker busy in the vision stage of a primer frame while the burst arrives, so that the whole
+        # burst is queued when the worker next drains (otherwise a drain could land mid-burst).
+        node.set_delay("vision", 300)
+        time.sleep(0.12)
+        node.drain_actions()
+        primer, _ = node.send_frame()
+        time.sleep(0.05)
+        seqs, send_ns = burst(node, 100)
+        node.set_delay("vision", 0)
+        newest = seqs[-1]
+        try:
+            action, earlier = node.wait_fresh(newest, timeout_s=5.0)
+            first = action
+        except FreshLost as lost:
+            if attempt == 2:
+                raise
+            action, earlier, first = None, lost.before, lost.msg
+        later = node.recv_actions(0.5)
+        fresh_named = {r.msg["frame_seq"] for r in earlier + later if r.msg["status"] == "fresh"}
+        assert fresh_named <= {primer, newest}, (fresh_named, send_ns / 1e6)
+        assert first["frame_seq"] == newest
+
+        def handled(h: dict) -> int:  # frames processed or dropped since `before`
+            return (h["cameras"]["front"]["processed"] - before["cameras"]["front"]["processed"]
+                    + h["frames_dropped"] - before["frames_dropped"])
+
+        after = node.health(until=lambda h: handled(h) >= 101 and quiescent(h))
+        processed = after["cameras"]["front"]["processed"] - before["cameras"]["front"]["processed"]
+        assert processed in (1, 2), (before["cameras"], after["cameras"])  # newest; primer unless superseded
+        assert handled(after) == 101, (processed, before["drops"], after["drops"])
+        assert after["cameras"]["front"]["last_seq"] == newest
+        assert after["rejected"] == before["rejected"]
+        if action is not None:
+            break
+    print(f"burst of 100 sent in {send_ns / 1e6:.1f} ms (attempt {attempt + 1}): processed {processed} (primer "
+          f"{primer}, newest {newest}), dropped {after['frames_dropped'] - before['frames_dropped']}, fresh actions "
+          f"named {fresh_named | {newest}}")
 
 
 def test_memory_stays_bounded_over_repeated_bursts(patient_node):
@@ -129,7 +140,7 @@ def test_memory_stays_bounded_over_repeated_bursts(patient_node):
     rss = []
     for _ in range(6):
         seqs, _ = burst(node, 100, 480, 640)  # 100 x 921,600-byte frames at once
-        node.wait_fresh(seqs[-1], timeout_s=5.0)
+        node.health(until=lambda h: h["cameras"]["front"]["last_seq"] == seqs[-1] and quiescent(h))
         rss.append(node.health(timeout_s=3.0)["rss_bytes"])
     print(f"node rss after each burst (MiB): {[round(r / 2**20, 1) for r in rss]}")
     # The allocator's footprint wobbles by several MB from one sample to the next (freed message buffers are
@@ -139,25 +150,27 @@ def test_memory_stays_bounded_over_repeated_bursts(patient_node):
     assert growth <= 5 * 2**20, [round(r / 2**20, 1) for r in rss]
 
 
-def test_vision_delay_degrades_then_recovers_while_every_tick_is_published(node, delay_file):
+def test_vision_delay_degrades_then_recovers_while_every_tick_is_published(node):
     wait_level0(node)
     node.queued_health()
     t0 = time.monotonic_ns()
     try:  # 10 Hz frames throughout; from 1 s to 4 s every vision stage overruns the 400 ms vision deadline
-        actions, _ = node.stream(5.0, events=[(1.0, lambda: set_delay(delay_file, "vision", 500)),
-                                              (4.0, lambda: set_delay(delay_file, "vision", 0))])
+        actions, _ = node.stream(5.0, events=[(1.0, lambda: node.set_delay("vision", 500)),
+                                              (4.0, lambda: node.set_delay("vision", 0))])
     finally:
-        set_delay(delay_file, "vision", 0)
+        node.set_delay("vision", 0)
     healths = node.queued_health()
     counts = tick_count(actions, PERIOD_NS)
     assert counts["received"] >= 0.99 * counts["expected"], counts
     assert counts["lost"] == 0, counts
     for received in actions:
         check_action(received.msg, MODEL.action_horizon, MODEL.action_dims, FALLBACK)
-    during = [r.msg for r in actions if t0 + 1.0e9 <= r.arrival_ns <= t0 + 4.0e9]
+    during = [r.msg for r in actions if t0 + 0.8e9 <= r.arrival_ns <= t0 + 4.0e9]
     statuses = [m["status"] for m in during]
-    # the chunk made before the delay plays out, then the safe action while no chunk is on time
-    assert "chunk" in statuses and "fallback" in statuses[statuses.index("chunk"):], statuses
+    # the last chunk made before the delay plays out, then the safe action for as long as no chunk is on time
+    # (at least 25 ticks in a row: half a second)
+    text = "".join({"fresh": "F", "chunk": "c", "fallback": "b"}[s] for s in statuses)
+    assert "c" + "b" * 25 in text, text
     health_levels = [h["level"] for h in healths if t0 + 1.0e9 <= h["stamp_ns"]]
     assert max(health_levels + [m["level"] for m in during]) > 0, (health_levels, statuses)
     scheduler = healths[-1]["scheduler"]
@@ -182,3 +195,4 @@ def test_clean_shutdown_on_signal(tmp_path, sig):
         assert rc == 0, (rc, log)
         assert seconds < 3.0, (seconds, log)
         assert "node stopped cleanly" in log, log
+        print(f"{signal.Signals(sig).name}: exit code {rc} after {seconds:.2f} s")

@@ -34,6 +34,7 @@ import zmq
 
 from vla_node.codec import unpack
 from vla_node.config import default_launch, load_launch
+from vla_node.node_process import NodeProcess, NodeProcessError
 from vla_node.protocol import decode_action, decode_health, encode_frame
 from vla_node.transport import Client, TransportConfig
 
@@ -56,17 +57,22 @@ def percentiles(values_ms: Any) -> dict[str, float | int]:
             "n": int(v.size)}
 
 
-def control_grid(stamps_ns: Any, period_ns: int, resolution_ns: int = 20_000) -> tuple[int, np.ndarray, np.ndarray]:
-    """Recover the control grid (start + k x period) from the stamps of published ticks.
+def control_grid(stamps_ns: Any, period_ns: int, resolution_ns: int = 20_000,
+                 refine_ns: int = 500_000) -> tuple[int, np.ndarray, np.ndarray]:
+    """Recover the control grid (origin + k x period) from the stamps of published ticks.
 
     A tick is published at or after its grid time and before the next one (the control clock resumes on the
-    latest due tick), so lateness is in [0, period). The grid phase is the one that minimises the mean
-    lateness: (grid origin ns, tick index per stamp, lateness ns per stamp)."""
+    latest due tick), so lateness is in [0, period) and most ticks are a fraction of a ms late. The phase that
+    minimises the mean lateness (on a resolution_ns grid) is then moved back to the earliest stamp within
+    refine_ns before it, so that no on-time tick wraps around to a lateness of nearly a period.
+    Returns (grid origin ns, tick index per stamp, lateness ns per stamp)."""
     stamps = np.asarray(stamps_ns, dtype=np.int64)
     offsets = (stamps - stamps[0]) % period_ns  # (N,) phase of each stamp in [0, period)
     candidates = np.arange(0, period_ns, resolution_ns, dtype=np.int64)  # (C,)
     lateness = (offsets[None, :] - candidates[:, None]) % period_ns  # (C, N)
     best = int(candidates[np.argmin(lateness.mean(axis=1))])
+    before = (best - offsets) % period_ns  # (N,) how far each stamp's phase lies before the best phase
+    best -= int(before[before <= refine_ns].max(initial=0))
     origin = int(stamps[0]) + best
     index = (stamps - origin) // period_ns
     return origin, index, stamps - (origin + index * period_ns)
@@ -191,47 +197,18 @@ def road_frames(count: int = 50) -> list[np.ndarray]:
     return frames + frames[-2:0:-1]
 
 
-class _NodeProcess:
-    """`vla-node run` in its own process, output to a log file."""
-
-    def __init__(self, launch: Path, addresses: TransportConfig, log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vla_node.cli", "run", "--launch", str(launch), "--frames", addresses.frames,
-             "--commands", addresses.commands, "--actions", addresses.actions, "--health", addresses.health],
-            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def log_tail(self, lines: int = 30) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                return None
-        self._log.close()
-        return self.proc.returncode
-
-
-def _handshake(client: Client, node: _NodeProcess, timeout_s: float) -> None:
+def _handshake(client: Client, node: NodeProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"the node exited with code {node.proc.returncode} before the handshake:\n"
-                               f"{node.log_tail()}")
+        if node.poll() is not None:
+            raise node.error("before the handshake")
         try:
             client.wait_for_node(1.0)
             return
         except TimeoutError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no handshake with the node within {timeout_s} s:\n{node.log_tail()}") from None
+                raise NodeProcessError(f"no handshake with the node within {timeout_s} s; last lines of its log:\n"
+                                       f"{node.tail()}") from None
 
 
 class _Recorder:
@@ -269,6 +246,8 @@ def _stream(client: Client, frames: list[np.ndarray], seconds: float, recorder: 
     poller.register(client.health_sub, zmq.POLLIN)
     period = int(1e9 / FRAME_HZ)
     seq = first_seq
+    _drain(client.actions_sub)  # actions queued before the window would arrive late by however long they waited
+    _drain(client.health_sub)
     start = time.monotonic_ns()
     end, next_frame = start + int(seconds * 1e9), start
     while (now := time.monotonic_ns()) < end:
@@ -301,34 +280,44 @@ def _stream(client: Client, frames: list[np.ndarray], seconds: float, recorder: 
     return seq
 
 
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
 def _next_health(client: Client, timeout_s: float = 5.0) -> dict | None:
-    """The next health message published from now on."""
+    """The next health message published from now on (actions meanwhile are read and dropped)."""
+    poller = zmq.Poller()
+    poller.register(client.actions_sub, zmq.POLLIN)
+    poller.register(client.health_sub, zmq.POLLIN)
     after = time.monotonic_ns()
     end = after + int(timeout_s * 1e9)
     while (left := end - time.monotonic_ns()) > 0:
-        msg = client.recv_health(left // 1_000_000 + 1)
-        if msg is not None and msg["stamp_ns"] >= after:
-            return msg
-        client.actions_sub.poll(0)
-        while True:
-            try:
-                client.actions_sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        ready = dict(poller.poll(left // 1_000_000 + 1))
+        _drain(client.actions_sub)
+        if client.health_sub in ready:
+            msg = decode_health(client.health_sub.recv_multipart())
+            if msg["stamp_ns"] >= after:
+                return msg
     return None
 
 
-def measure_node(preset: str = "small", seconds: float = 60.0, warmup_s: float = 5.0) -> dict[str, Any]:
-    """Run the node (launch/cpu.toml, `preset`) in its own process under a 10 Hz 640x480 rgb8 client."""
+def measure_node(preset: str = "small", seconds: float = 60.0, warmup_s: float = 5.0,
+                 launch: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run the node (launch/cpu.toml with `preset`, or the launch file given) in its own process under a 10 Hz
+    640x480 rgb8 client; the first warmup_s are not measured."""
     with tempfile.TemporaryDirectory(prefix="vla-bench-node-") as tmp:
         tmp_dir = Path(tmp)
-        launch = launch_for(preset, tmp_dir)
+        launch = launch_for(preset, tmp_dir) if launch is None else Path(launch)
         config = load_launch(launch)
         period_ns = config.scheduler.period_ns
         ports = [free_tcp_port() for _ in range(4)]
         addresses = TransportConfig(*(f"tcp://127.0.0.1:{p}" for p in ports))
         client = Client(addresses)
-        node = _NodeProcess(launch, addresses, tmp_dir / "node.log")
+        node = NodeProcess(launch, addresses, tmp_dir / "node.log")
         try:
             frames = road_frames()  # rendered while the node starts
             _handshake(client, node, timeout_s=300.0)
@@ -339,15 +328,12 @@ def measure_node(preset: str = "small", seconds: float = 60.0, warmup_s: float =
             sent.clear()
             _stream(client, frames, seconds, recorder, sent, seq)
             after = _next_health(client)
-            rc = node.stop()
-            log_tail = node.log_tail()
+            if before is None or after is None:
+                raise NodeProcessError(f"no health message from the node before or after the run; last lines of "
+                                       f"its log:\n{node.tail()}")
         finally:
-            if node.proc.poll() is None:
-                node.proc.kill()
-                node.proc.wait()
+            rc = node.stop()
             client.close()
-    if before is None or after is None:
-        raise RuntimeError(f"no health message from the node before or after the run:\n{log_tail}")
     return _node_figures(recorder, sent, before, after, period_ns, rc, launch, config)
 
 
@@ -385,11 +371,13 @@ def _node_figures(rec: _Recorder, sent: dict[int, int], before: dict, after: dic
 
 
 # --- the benchmark -----------------------------------------------------------------------------------------------
-def run(preset: str = "small", seconds: float = 60, json_path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Measure transport, then the node for `seconds`; print a table; write JSON when json_path is given."""
+def run(preset: str = "small", seconds: float = 60, json_path: str | os.PathLike | None = None,
+        launch: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Measure transport, then the node for `seconds`; print a table; write JSON when json_path is given.
+    launch: a launch file to run instead of launch/cpu.toml with `preset` (its own preset then applies)."""
     load_before = os.getloadavg()
     transport = measure_transport()
-    node = measure_node(preset, seconds)
+    node = measure_node(preset, seconds, launch=launch)
     result = {
         "transport_ms": transport,
         **node,
@@ -427,6 +415,10 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"{'missed_ticks':<30}{result['missed_ticks']:>9}  (seq gaps {ticks['lost_seq_gaps']}, node "
                  f"{ticks['node_missed_ticks']}; {ticks['received']}/{ticks['expected']} ticks received)  "
                  f"target 0  {ok[result['pass']['missed_ticks']]}")
+    if f["frames_with_fresh_action"] == 0:
+        lines.append(f"no fresh action: the node ran at level {result['node']['level_at_end']} "
+                     f"({result['node']['scheduler']['level_name']}); {result['node']['preset']} does not meet the "
+                     f"launch file's deadlines on this machine (frame_to_action needs fresh actions)")
     lines.append(f"statuses {result['statuses']}, levels {result['levels']}, node {result['node']['preset']}, "
                  f"exit code {result['node']['exit_code']}, load {result['context']['loadavg_before']} -> "
                  f"{result['context']['loadavg_after']}")
@@ -442,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--launch", help="launch file instead of launch/cpu.toml (its own preset applies)")
     ns = parser.parse_args(args)
-    run(ns.preset, ns.seconds, ns.json)
+    run(ns.preset, ns.seconds, ns.json, ns.launch)
     return 0
 
 
