@@ -1,0 +1,393 @@
+"""`vla-node bench cache`: the multi-rate KV cache against full recompute, measured side by side in one run.
+
+    python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype fp32] [--json F]
+
+What it measures (same weights, same synthetic 640x480 frame, one process, one thread by default):
+  - action_tick_ms, vision_update_ms (full refresh), text_update_ms of MultiRatePolicy with the default
+    cache (text bf16, vision int8, action fp32), interleaved round by round with reference_step_ms
+    (ReferencePolicy.step, full recompute) so that a load change on a shared machine hits all alike;
+  - hf_generate_ms: transformers' LlamaForCausalLM.generate on the same decoder weights and tokens
+    (bench_model.hf_generate_ms, fp32);
+  - kv bytes per partition, and the vision partition's bytes if it were stored in fp16;
+  - segmented vs gather attention (action tick and vision update);
+  - the INT8 effect: the default cache against the all-fp32 cache over a short sequence;
+  - a vision-memory policy table with vision_frames=4: timings, kv bytes, deviation against all-fp32 fifo.
+
+Why one thread: on an AVX2-only CPU shared with other work, OpenMP spin-waits make two threads on two busy
+cores several times slower; the thread count is part of the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import itertools
+import json
+import platform
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vla_node import bench_model
+from vla_node.bench_model import hf_generate_ms
+from vla_node.kv import KVPartition, VisionMemoryConfig
+from vla_node.kv.vision_config import POLICIES
+from vla_node.model import ModelConfig, build_vla, preset
+from vla_node.model.vla import VLA
+from vla_node.multirate import CacheConfig, MultiRatePolicy
+from vla_node.reference import ActionChunk, ReferencePolicy
+from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
+from vla_node.validate import choose, require
+
+INSTRUCTION = "keep lane, follow car"  # fits every preset (tiny: 23 bytes)
+SECOND_INSTRUCTION = "exit, merge right"
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TARGETS = {"reference_step_over_action_tick": 10.0, "hf_generate_over_vision_update_plus_action_tick": 3.0}
+POLICY_WINDOW = 4  # vision_frames of the policy table
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+def drive_frames(n: int, seed: int = 0) -> list[np.ndarray]:
+    """n consecutive 640x480 frames of the synthetic road drive at 10 fps (they change frame to frame)."""
+    cfg = SyntheticDriveConfig(width=640, height=480, fps=10, seconds=max(n, 1) / 10, seed=seed)
+    return [rgb for _, rgb in synthetic_frames(cfg)][:n]
+
+
+def ego_states(n: int, state_dim: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=0.5, size=state_dim).astype(np.float32) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+def interleaved_ms(cases: dict[str, Callable[[], object]], iters: int, warmup: int = 1) -> dict[str, dict]:
+    """Time every case once per round, round after round (warm-up rounds first): medians, min, max in ms.
+    Interleaving makes ratios fair on a machine whose load changes during the run."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for round_index in range(warmup + iters):
+        for name, fn in cases.items():
+            t0 = time.perf_counter_ns()
+            fn()
+            if round_index >= warmup:
+                samples[name].append((time.perf_counter_ns() - t0) / 1e6)
+    return {name: {"median": statistics.median(s), "min": min(s), "max": max(s), "n": len(s)}
+            for name, s in samples.items()}
+
+
+# ---------------------------------------------------------------------------------------------- deviation
+
+def action_deviation(ours: list[ActionChunk], theirs: list[ActionChunk], config: ModelConfig) -> dict:
+    """How far a cache's action chunks are from a baseline's over the same steps.
+
+    max_abs_logit_diff; logits_rel_l2 = ||ours - theirs|| / ||theirs|| over all steps; top1_agreement =
+    fraction of (step, horizon, dim) bins equal; action_diff_pct_of_range max and mean, per dim range."""
+    a = torch.stack([c.logits.float() for c in ours])  # [steps, H*D, vocab]
+    b = torch.stack([c.logits.float() for c in theirs])
+    bins_a, bins_b = np.stack([c.bins for c in ours]), np.stack([c.bins for c in theirs])  # [steps, H, D]
+    span = np.asarray(config.action_high, np.float64) - np.asarray(config.action_low, np.float64)  # [D]
+    pct = np.abs(np.stack([c.actions for c in ours]) - np.stack([c.actions for c in theirs])) / span * 100.0
+    return {
+        "steps": len(ours),
+        "finite": bool(torch.isfinite(a).all()),
+        "max_abs_logit_diff": float((a - b).abs().max()),
+        "logits_rel_l2": _relative(float(torch.linalg.vector_norm(a - b)), float(torch.linalg.vector_norm(b))),
+        "top1_agreement": float((bins_a == bins_b).mean()),
+        "action_diff_pct_of_range_max": float(pct.max()),
+        "action_diff_pct_of_range_mean": float(pct.mean()),
+    }
+
+
+def _relative(diff: float, norm: float) -> float:
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
+
+
+@dataclasses.dataclass
+class SequenceRun:
+    chunks: list[ActionChunk]
+    vision_ms: list[float]
+    tick_ms: list[float]
+
+
+def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray],
+                 states: list[np.ndarray]) -> dict[str, SequenceRun]:
+    """The same sequence through every policy, step by step in turn (so that a load change hits all alike):
+    update_text, then per frame a full vision update and one action tick; the instruction changes halfway
+    (a text update recomputes what follows it). Each vision update and tick is timed."""
+    runs = {name: SequenceRun([], [], []) for name in policies}
+    for policy in policies.values():
+        policy.update_text(INSTRUCTION)
+    for i, (frame, state) in enumerate(zip(frames, states)):
+        for name, policy in policies.items():
+            if i == len(frames) // 2:
+                policy.update_text(SECOND_INSTRUCTION)
+            images = policy.prepare_frames([frame])
+            t0 = time.perf_counter_ns()
+            policy.update_vision(images)
+            t1 = time.perf_counter_ns()
+            runs[name].chunks.append(policy.action_tick(state))
+            t2 = time.perf_counter_ns()
+            runs[name].vision_ms.append((t1 - t0) / 1e6)
+            runs[name].tick_ms.append((t2 - t1) / 1e6)
+    return runs
+
+
+@contextlib.contextmanager
+def _hf_instruction(text: str):
+    """hf_generate_ms encodes bench_model.INSTRUCTION (longer than small's 47 text bytes): point it at our
+    instruction for the call, so that transformers sees the same tokens as our policies; restored after."""
+    before = bench_model.INSTRUCTION
+    bench_model.INSTRUCTION = text
+    try:
+        yield
+    finally:
+        bench_model.INSTRUCTION = before
+
+
+def vision_fp16_bytes(policy: MultiRatePolicy) -> int:
+    """kv bytes of the policy's vision partitions, were every one of them stored in fp16 (no scales)."""
+    total = 0
+    for p in policy.vision.partitions:
+        fp16 = KVPartition(dataclasses.replace(p.spec, dtype="fp16"))  # a few MB at most, freed on return
+        total += fp16.nbytes()["kv_bytes"]
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path: str | None = None,
+        compute_dtype: str = "fp32", deviation_frames: int = 6, policy_frames: int = 8) -> dict:
+    """Measure everything listed in the module docstring; print a table; return (and optionally write) the
+    figures as a dict."""
+    dtype = choose("compute_dtype", compute_dtype, COMPUTE_DTYPES)
+    for key, value, least in (("iters", iters, 1), ("threads", threads, 1), ("deviation_frames", deviation_frames, 2),
+                              ("policy_frames", policy_frames, 2)):
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= least, key, value,
+                f"an integer >= {least}")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames) -> dict:
+    started = time.monotonic_ns()
+    config = preset(preset_name)
+    frames = drive_frames(max(deviation_frames, policy_frames))
+    states = ego_states(len(frames), config.state_dim)
+    results: dict = {
+        "preset": preset_name, "threads": torch.get_num_threads(), "compute_dtype": compute_dtype,
+        "iters": iters, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "default_cache": {"text": CacheConfig().text_dtype, "vision": CacheConfig().vision.storage_dtype,
+                          "action": CacheConfig().action_dtype},
+    }
+    print(f"bench cache: preset {preset_name}, compute {compute_dtype}, {results['threads']} thread(s), "
+          f"{iters} rounds, {results['machine']}", flush=True)
+    base = build_vla(config, seed=0)  # fp32; shared by every fp32 policy (they only read it)
+    model = base if dtype == torch.float32 else _converted(base, dtype)
+
+    results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype))
+    results["int8_effect"] = _int8_effect(config, model, base, frames[:deviation_frames],
+                                          states[:deviation_frames], dtype)
+    results["vision_policies"] = _policy_table(config, dtype, frames[:policy_frames], states[:policy_frames])
+    results["elapsed_s"] = round((time.monotonic_ns() - started) / 1e9, 1)
+    _print_summary(results)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def _converted(model: VLA, dtype: torch.dtype) -> VLA:
+    """The same weights in another dtype (a copy: the fp32 model stays the baseline's)."""
+    return copy.deepcopy(model).to(dtype)
+
+
+def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
+    policies = {mode: MultiRatePolicy(model, CacheConfig(attention=mode), dtype) for mode in ("segmented", "gather")}
+    reference = ReferencePolicy(model, dtype)
+    images = policies["segmented"].prepare_frames([frame])
+    for policy in policies.values():  # steady state: text, a frame, a full ring of states
+        policy.update_text(INSTRUCTION)
+        policy.update_vision(images)
+        for _ in range(config.state_slots):
+            policy.action_tick(state)
+    seg, gat = policies["segmented"], policies["gather"]
+    instructions = itertools.cycle([SECOND_INSTRUCTION, INSTRUCTION])  # a real change every time
+    cases = {
+        "action_tick": lambda: seg.action_tick(state),
+        "vision_update": lambda: seg.update_vision(images),
+        "text_update": lambda: seg.update_text(next(instructions)),
+        "reference_step": lambda: reference.step([frame], INSTRUCTION, state),
+        "gather_action_tick": lambda: gat.action_tick(state),
+        "gather_vision_update": lambda: gat.update_vision(images),
+    }
+    timing = interleaved_ms(cases, iters)
+    for name, t in timing.items():
+        print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})",
+              flush=True)
+    with _hf_instruction(INSTRUCTION):  # fp32: transformers loads the decoder in fp32
+        hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters)
+    print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, fp32)",
+          flush=True)
+    ms = {name: round(t["median"], 2) for name, t in timing.items()}
+    kv = seg.kv_bytes()
+    fp16 = vision_fp16_bytes(seg)
+    out = {
+        "action_tick_ms": ms["action_tick"],
+        "vision_update_ms": ms["vision_update"],
+        "text_update_ms": ms["text_update"],
+        "reference_step_ms": ms["reference_step"],
+        "reference_dtype": "fp32" if dtype == torch.float32 else "bf16",
+        "hf_generate_ms": round(hf["median"], 2),
+        "hf_dtype": "fp32",  # timed in its own loop (bench_model.hf_generate_ms), right after the rounds
+        "timing_spread_ms": {name: [round(t["min"], 2), round(t["max"], 2)] for name, t in timing.items()},
+        "kv_bytes": kv,
+        "kv_bytes_total": sum(kv.values()),
+        "vision_kv_bytes_fp16_equivalent": fp16,
+        "vision_int8_over_fp16": round(kv["vision"] / fp16, 4),
+        "reference_step_over_action_tick": round(ms["reference_step"] / ms["action_tick"], 2),
+        "hf_generate_over_vision_update_plus_action_tick":
+            round(hf["median"] / (ms["vision_update"] + ms["action_tick"]), 2),
+    }
+    out["targets"] = {key: {"target": target, "measured": out[key], "met": out[key] >= target}
+                      for key, target in TARGETS.items()}
+    out["attention"] = {
+        "segmented": {"action_tick_ms": ms["action_tick"], "vision_update_ms": ms["vision_update"]},
+        "gather": {"action_tick_ms": ms["gather_action_tick"], "vision_update_ms": ms["gather_vision_update"]},
+        "faster_action_tick": "segmented" if ms["action_tick"] <= ms["gather_action_tick"] else "gather",
+        "faster_vision_update": "segmented" if ms["vision_update"] <= ms["gather_vision_update"] else "gather",
+        "gather_over_segmented_action_tick": round(ms["gather_action_tick"] / ms["action_tick"], 3),
+        "gather_over_segmented_vision_update": round(ms["gather_vision_update"] / ms["vision_update"], 3),
+    }
+    return out
+
+
+def _int8_effect(config, model, base, frames, states, dtype) -> dict:
+    """The default cache (at the compute dtype) against the all-fp32 cache (fp32 compute)."""
+    print(f"  int8 effect: default cache vs all-fp32 cache over {len(frames)} frames ...", flush=True)
+    runs = run_lockstep({"default": MultiRatePolicy(model, CacheConfig(), dtype),
+                         "exact": MultiRatePolicy(base, CacheConfig.exact())}, frames, states)
+    return {"baseline": "all-fp32 cache, fp32 compute",
+            **action_deviation(runs["default"].chunks, runs["exact"].chunks, config)}
+
+
+def policy_variants(config: ModelConfig) -> dict[str, tuple[str, VisionMemoryConfig]]:
+    """Row name -> (knobs in words, vision memory config) of the policy table. Defaults, except where the
+    default would make a policy behave as fifo: h2o by default keeps a full window (nothing to choose), so
+    it gets about the quota policy's capacity (about the same memory; importance instead of age); merge is
+    shown at its default threshold and at a lower one."""
+    def vision(policy: str, **knobs) -> VisionMemoryConfig:  # validated against the model's frame size
+        return VisionMemoryConfig(policy=policy, window_frames=config.vision_frames,
+                                  tokens_per_frame=config.tokens_per_frame, **knobs)
+
+    quota_min = min(VisionMemoryConfig.quota_min_tokens, config.tokens_per_frame)  # as MultiRatePolicy clamps it
+    quota = vision("quota", quota_min_tokens=quota_min)
+    same_memory = quota.full_window_tokens()
+    h2o_capacity = max(same_memory, 2 * config.tokens_per_frame)  # h2o's least: the protected frame + the new one
+    return {
+        "fifo": ("default (int8)", vision("fifo")),
+        "quota": (f"decay {quota.quota_decay}, min {quota_min} -> {same_memory} tokens", vision("quota")),
+        "merge": ("cosine > 0.95 (default)", vision("merge")),
+        "merge@0.8": ("cosine > 0.8", vision("merge", merge_threshold=0.8)),
+        "h2o": (f"capacity {h2o_capacity} tokens (quota's: {same_memory})",
+                vision("h2o", capacity_tokens=h2o_capacity)),
+        "tiered": ("hot bf16 1 frame, cold int8", vision("tiered")),
+    }
+
+
+def _policy_table(config, dtype, frames, states) -> list[dict]:
+    """Each vision-memory policy with vision_frames=4 against the all-fp32 fifo cache on the same frames."""
+    wide = config.replace(vision_frames=POLICY_WINDOW)
+    base = build_vla(wide, seed=0)
+    model = base if dtype == torch.float32 else _converted(base, dtype)
+    variants = policy_variants(wide)
+    shown = {vision.policy for _, vision in variants.values()}
+    require(shown == set(POLICIES), "policy table", sorted(shown), f"every policy: {sorted(POLICIES)}")
+    print(f"  vision policies, vision_frames={POLICY_WINDOW}, {len(frames)} frames, in lockstep: "
+          f"{', '.join(variants)} ...", flush=True)
+    policies = {"fifo (all fp32)": MultiRatePolicy(base, CacheConfig.exact())}
+    knobs = {"fifo (all fp32)": "every partition fp32, fp32 compute (the baseline)"}
+    for name, (words, vision) in variants.items():
+        policies[name] = MultiRatePolicy(model, CacheConfig(vision=vision), dtype)
+        knobs[name] = words
+    runs = run_lockstep(policies, frames, states)
+    exact = runs["fifo (all fp32)"]
+    return [_policy_row(name, knobs[name], policies[name], runs[name], exact, wide) for name in policies]
+
+
+def _policy_row(name: str, knobs: str, policy: MultiRatePolicy, seq: SequenceRun, exact: SequenceRun,
+                config: ModelConfig) -> dict:
+    stats = policy.vision.stats()
+    return {
+        "policy": name,
+        "knobs": knobs,
+        "vision_update_ms": round(statistics.median(seq.vision_ms[1:]), 2),  # the first frame is warm-up
+        "action_tick_ms": round(statistics.median(seq.tick_ms[1:]), 2),
+        "kv_bytes": policy.kv_bytes(),
+        "vision_kv_bytes": policy.kv_bytes()["vision"],
+        "vision_tokens_used": stats["tokens_used"],
+        "merged_tokens": stats["merged_tokens"],
+        "evicted_tokens": stats["evicted_tokens"],
+        "demoted_tokens": stats["demoted_tokens"],
+        "deviation": action_deviation(seq.chunks, exact.chunks, config),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- printing
+
+def _print_summary(r: dict) -> None:
+    mib = 2**20
+    print()
+    print(f"== multi-rate KV cache, preset {r['preset']}, compute {r['compute_dtype']}, {r['threads']} thread(s) ==")
+    print(f"{'stage':34s} {'median ms':>10s}")
+    for key in ("action_tick_ms", "vision_update_ms", "text_update_ms", "reference_step_ms", "hf_generate_ms"):
+        print(f"{key:34s} {r[key]:10.1f}")
+    for key, t in r["targets"].items():
+        print(f"{key:48s} {t['measured']:7.2f}x  (target >= {t['target']:g}: {'met' if t['met'] else 'NOT met'})")
+    print("kv bytes: " + ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in r["kv_bytes"].items())
+          + f"; vision in fp16 would be {r['vision_kv_bytes_fp16_equivalent'] / mib:.3f} MiB "
+            f"(int8/fp16 = {r['vision_int8_over_fp16']:.3f})")
+    a = r["attention"]
+    print(f"attention: action tick segmented {a['segmented']['action_tick_ms']:.1f} / gather "
+          f"{a['gather']['action_tick_ms']:.1f} ms -> {a['faster_action_tick']} faster; vision update segmented "
+          f"{a['segmented']['vision_update_ms']:.1f} / gather {a['gather']['vision_update_ms']:.1f} ms -> "
+          f"{a['faster_vision_update']} faster")
+    e = r["int8_effect"]
+    print(f"int8 effect ({e['baseline']}, {e['steps']} steps): max |dlogit| {e['max_abs_logit_diff']:.4f}, "
+          f"rel L2 {e['logits_rel_l2']:.4f}, top-1 agreement {e['top1_agreement']:.3f}, action diff "
+          f"{e['action_diff_pct_of_range_max']:.2f}% of range max ({e['action_diff_pct_of_range_mean']:.2f}% mean)")
+    print(f"vision-memory policies, vision_frames={POLICY_WINDOW} (deviation vs all-fp32 fifo):")
+    print(f"{'policy':16s} {'vision ms':>9s} {'tick ms':>8s} {'vision KiB':>10s} {'tokens':>6s} {'merged':>6s} "
+          f"{'evicted':>7s} {'max|dlogit|':>11s} {'rel L2':>7s} {'top-1':>6s} {'act %rng':>8s}  knobs")
+    for row in r["vision_policies"]:
+        d = row["deviation"]
+        print(f"{row['policy']:16s} {row['vision_update_ms']:9.1f} {row['action_tick_ms']:8.1f} "
+              f"{row['vision_kv_bytes'] / 1024:10.1f} {row['vision_tokens_used']:6d} {row['merged_tokens']:6d} "
+              f"{row['evicted_tokens']:7d} {d['max_abs_logit_diff']:11.4f} {d['logits_rel_l2']:7.4f} "
+              f"{d['top1_agreement']:6.3f} {d['action_diff_pct_of_range_max']:8.2f}  {row['knobs']}")
+    print(f"elapsed {r['elapsed_s']} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vla_node.bench_cache", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--compute-dtype", choices=sorted(COMPUTE_DTYPES), default="fp32")
+    parser.add_argument("--json", default=None, help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, compute_dtype=args.compute_dtype)
+
+
+if __name__ == "__main__":
+    main()
