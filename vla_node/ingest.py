@@ -41,24 +41,30 @@ class Ingest:
         self.instruction_seq = -1
         self.state: np.ndarray | None = None
         self.commands = 0
-        self.dropped_in_queue = 0  # older frames drained together with a newer one of the same camera
+        self.dropped_in_queue = 0  # older frames drained together with a newer valid one of the same camera
 
     def reject(self, reason: str) -> None:
         self.rejects[reason] += 1
 
-    def add_frames(self, latest_parts: dict, dropped_in_socket: int, now_ns: int) -> None:
-        """latest_parts: topic -> newest parts per topic and the count of older frames drained with them
-        (from NodeTransport.drain_frames): those never reach the model and are counted as dropped."""
-        self.dropped_in_queue += dropped_in_socket
-        for parts in latest_parts.values():
-            try:
-                frame = decode_frame(parts, self.cameras, self.limits)
-            except (ProtocolError, CodecError) as e:
-                self.reject(getattr(e, "reason", "bad_message"))
+    def add_frames(self, messages: dict, now_ns: int) -> None:
+        """messages: topic -> frame messages oldest first (NodeTransport.drain_frame_messages). The newest valid
+        one per topic is kept; newer invalid ones are rejected with their reason and older ones count as
+        dropped (superseded before the model saw them)."""
+        for group in messages.values():
+            frame = None
+            for index in range(len(group) - 1, -1, -1):  # newest first
+                try:
+                    frame = decode_frame(group[index], self.cameras, self.limits)
+                except (ProtocolError, CodecError) as e:
+                    self.reject(getattr(e, "reason", "bad_message"))
+                    continue
+                self.dropped_in_queue += index  # the older messages of this topic
+                break
+            if frame is None:
                 continue
             stats = self.stats[frame.camera]
-            stats.received += 1
-            stats.window_count += 1
+            stats.received += 1 + index
+            stats.window_count += 1 + index
             stats.last_arrival_ns = now_ns
             stats.last_seq = frame.seq
             if self.latest[frame.camera] is not None:

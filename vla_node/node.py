@@ -120,8 +120,7 @@ class Node:
                 continue
             now = self.clock()
             ingest.add_commands(transport.drain_commands())
-            latest, dropped = transport.drain_frames()
-            ingest.add_frames(latest, dropped, now)
+            ingest.add_frames(transport.drain_frame_messages(), now)
             if ingest.ready():
                 pipeline.process(ingest.take(), ingest.instruction, ingest.state)
 
@@ -138,7 +137,7 @@ class Node:
                 continue
             now = self.clock()
             clock.tick(now)
-            out = broker.next(now)
+            out = broker.next(clock.scheduled_ns)  # steps count on the tick grid, not the jittered wake-up
             metrics = self.pipeline.metrics
             fresh_meta = metrics.frame_seq == out.frame_seq
             self.transport.publish_action(encode_action(

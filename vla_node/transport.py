@@ -176,23 +176,25 @@ class NodeTransport:
         """Wait up to timeout_ms for a frame or command; True when one of them is readable."""
         return bool(self._poller.poll(timeout_ms))
 
-    def drain_frames(self, max_messages: int = 1000) -> tuple[dict[bytes, list[zmq.Frame]], int]:
-        """Receive every queued frame message (at most max_messages) without blocking and keep only the newest
-        per topic: ({topic: [topic, header, payload] as zmq.Frame}, number of older ones dropped).
-        Parts are unvalidated; pass them to protocol.decode_frame."""
-        latest: dict[bytes, list[zmq.Frame]] = {}
-        dropped = 0
+    def drain_frame_messages(self, max_messages: int = 1000) -> dict[bytes, list[list[zmq.Frame]]]:
+        """Receive every queued frame message (at most max_messages) without blocking, grouped by topic,
+        oldest first: {topic: [[topic, header, payload] as zmq.Frame, ...]}. Parts are unvalidated; the node
+        validates the newest first and falls back to an older one when the newest is bad."""
+        messages: dict[bytes, list[list[zmq.Frame]]] = {}
         sock = self.frames_sub
         for _ in range(max_messages):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            topic = parts[0].bytes
-            if topic in latest:
-                dropped += 1
-            latest[topic] = parts
-        return latest, dropped
+            messages.setdefault(parts[0].bytes, []).append(parts)
+        return messages
+
+    def drain_frames(self, max_messages: int = 1000) -> tuple[dict[bytes, list[zmq.Frame]], int]:
+        """Like drain_frame_messages, keeping only the newest per topic: ({topic: parts}, number of older
+        ones dropped)."""
+        messages = self.drain_frame_messages(max_messages)
+        return {topic: group[-1] for topic, group in messages.items()}, sum(len(g) - 1 for g in messages.values())
 
     def drain_commands(self, max_messages: int = 1000) -> list[list[bytes]]:
         """Every queued command message (at most max_messages), oldest first, unvalidated."""
