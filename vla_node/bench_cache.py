@@ -141,8 +141,9 @@ def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray],
 
 @contextlib.contextmanager
 def _hf_instruction(text: str):
-    """hf_generate_ms encodes bench_model.INSTRUCTION (longer than small's 47 text bytes): point it at our
-    instruction for the call, so that transformers sees the same tokens as our policies; restored after."""
+    """hf_generate_ms encodes bench_model.INSTRUCTION (too long for tiny's 23 text bytes, and not ours): point
+    it at our instruction for the call, so that transformers sees the same tokens as our policies; restored
+    after. (hf_generate_ms taking the instruction as an argument would make this unnecessary.)"""
     before = bench_model.INSTRUCTION
     bench_model.INSTRUCTION = text
     try:
