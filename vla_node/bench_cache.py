@@ -20,7 +20,6 @@ cores several times slower; the thread count is part of the result.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -33,7 +32,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node import bench_model
 from vla_node.bench_model import hf_generate_ms
 from vla_node.kv import KVPartition, VisionMemoryConfig
 from vla_node.kv.vision_config import POLICIES
@@ -139,19 +137,6 @@ def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray],
     return runs
 
 
-@contextlib.contextmanager
-def _hf_instruction(text: str):
-    """hf_generate_ms encodes bench_model.INSTRUCTION (too long for tiny's 23 text bytes, and not ours): point
-    it at our instruction for the call, so that transformers sees the same tokens as our policies; restored
-    after. (hf_generate_ms taking the instruction as an argument would make this unnecessary.)"""
-    before = bench_model.INSTRUCTION
-    bench_model.INSTRUCTION = text
-    try:
-        yield
-    finally:
-        bench_model.INSTRUCTION = before
-
-
 def vision_fp16_bytes(policy: MultiRatePolicy) -> int:
     """kv bytes of the policy's vision partitions, were every one of them stored in fp16 (no scales)."""
     total = 0
@@ -236,8 +221,7 @@ def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
     for name, t in timing.items():
         print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})",
               flush=True)
-    with _hf_instruction(INSTRUCTION):  # fp32: transformers loads the decoder in fp32
-        hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters)
+    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION)  # fp32, as transformers loads it
     print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, fp32)",
           flush=True)
     ms = {name: round(t["median"], 2) for name, t in timing.items()}

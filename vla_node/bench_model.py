@@ -18,7 +18,8 @@ from vla_node.timing import time_ms
 INSTRUCTION = "keep the lane, follow the car ahead"
 
 
-def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int) -> dict[str, float]:
+def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int,
+                   instruction: str = INSTRUCTION) -> dict[str, float]:
     """transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix embeddings
     (text, vision, state), then H*D new tokens, greedy, its default dynamic cache."""
     import transformers
@@ -29,7 +30,7 @@ def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int
         hf = transformers.LlamaForCausalLM.from_pretrained(str(path / "decoder"), dtype=torch.float32).eval()
     from vla_node.model.tokenizer import encode
 
-    ids = torch.tensor(encode(INSTRUCTION, c.max_text_tokens))
+    ids = torch.tensor(encode(instruction, c.max_text_tokens))
 
     def run():
         with torch.inference_mode():
