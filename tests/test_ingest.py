@@ -18,7 +18,7 @@ def make() -> Ingest:
 def test_newest_valid_frame_wins_and_older_ones_count_as_dropped():
     ingest = make()
     group = [encode_frame("front", seq, seq, IMAGE) for seq in range(5)]
-    ingest.add_frames({b"frame/front": group}, now_ns=1)
+    ingest.add_frames({b"frame/front": (group[-3:], 2)}, now_ns=1)
     assert ingest.ready()
     (frame,) = ingest.take()
     assert frame.seq == 4 and not ingest.ready()
@@ -31,7 +31,7 @@ def test_a_bad_newest_message_falls_back_to_the_older_valid_one():
     good = encode_frame("front", 7, 7, IMAGE)
     truncated = [b"frame/front", pack({"v": 1})[:-1], b""]
     wrong_size = [b"frame/front", good[1], b"\x00" * 5]
-    ingest.add_frames({b"frame/front": [good, truncated, wrong_size]}, now_ns=1)
+    ingest.add_frames({b"frame/front": ([good, truncated, wrong_size], 0)}, now_ns=1)
     (frame,) = ingest.take()
     assert frame.seq == 7
     rejects = ingest.health(2, 1.0, 10**9, 1.0)["rejects"]

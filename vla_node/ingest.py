@@ -20,7 +20,7 @@ from vla_node.protocol import CameraSpec, Frame, Instruction, ProtocolError, Pro
 class CameraStats:
     received: int = 0
     processed: int = 0
-    dropped: int = 0  # superseded by a newer frame before it was processed
+    dropped: int = 0  # superseded by a newer frame before the model saw it (in the queue or unprocessed)
     last_arrival_ns: int | None = None
     last_seq: int | None = None
     window_count: int = 0  # frames received since the last health report
@@ -42,15 +42,16 @@ class Ingest:
         self.state: np.ndarray | None = None
         self.commands = 0
         self.dropped_in_queue = 0  # older frames drained together with a newer valid one of the same camera
+        self.dropped_unattributed = 0  # discarded unread in a burst of which no message was valid
 
     def reject(self, reason: str) -> None:
         self.rejects[reason] += 1
 
-    def add_frames(self, messages: dict, now_ns: int) -> None:
-        """messages: topic -> frame messages oldest first (NodeTransport.drain_frame_messages). The newest valid
-        one per topic is kept; newer invalid ones are rejected with their reason and older ones count as
-        dropped (superseded before the model saw them)."""
-        for group in messages.values():
+    def add_frames(self, groups: dict, now_ns: int) -> None:
+        """groups: topic -> (newest messages oldest first, older ones discarded unread), from
+        NodeTransport.drain_frame_messages. The newest valid message per topic is kept; newer invalid ones are
+        rejected with their reason; older ones count as dropped (superseded before the model saw them)."""
+        for group, discarded in groups.values():
             frame = None
             for index in range(len(group) - 1, -1, -1):  # newest first
                 try:
@@ -58,13 +59,18 @@ class Ingest:
                 except (ProtocolError, CodecError) as e:
                     self.reject(getattr(e, "reason", "bad_message"))
                     continue
-                self.dropped_in_queue += index  # the older messages of this topic
                 break
+            if frame is None:
+                self.dropped_unattributed += discarded  # no valid frame names their camera
+                continue
+            index += discarded  # messages older than the kept one
+            self.dropped_in_queue += index
             if frame is None:
                 continue
             stats = self.stats[frame.camera]
             stats.received += 1 + index
             stats.window_count += 1 + index
+            stats.dropped += index
             stats.last_arrival_ns = now_ns
             stats.last_seq = frame.seq
             if self.latest[frame.camera] is not None:
@@ -115,8 +121,9 @@ class Ingest:
                              "received": s.received, "processed": s.processed, "dropped": s.dropped,
                              "last_seq": s.last_seq}
             s.window_count = 0
-        dropped = self.dropped_in_queue + sum(s.dropped for s in self.stats.values())
+        dropped = sum(s.dropped for s in self.stats.values()) + self.dropped_unattributed
         return {"cameras": cameras, "rejects": dict(self.rejects), "rejected": sum(self.rejects.values()),
                 "drops": {"superseded_in_queue": self.dropped_in_queue,
-                          "superseded_unprocessed": dropped - self.dropped_in_queue},
+                          "superseded_unprocessed": dropped - self.dropped_in_queue - self.dropped_unattributed,
+                          "discarded_in_bad_burst": self.dropped_unattributed},
                 "frames_dropped": dropped, "commands": self.commands}

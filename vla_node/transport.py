@@ -19,6 +19,8 @@ independent of bind/connect in libzmq, so this works in both directions (tests/t
 
 from __future__ import annotations
 
+import collections
+
 import ipaddress
 import logging
 import os
@@ -176,25 +178,30 @@ class NodeTransport:
         """Wait up to timeout_ms for a frame or command; True when one of them is readable."""
         return bool(self._poller.poll(timeout_ms))
 
-    def drain_frame_messages(self, max_messages: int = 1000) -> dict[bytes, list[list[zmq.Frame]]]:
-        """Receive every queued frame message (at most max_messages) without blocking, grouped by topic,
-        oldest first: {topic: [[topic, header, payload] as zmq.Frame, ...]}. Parts are unvalidated; the node
-        validates the newest first and falls back to an older one when the newest is bad."""
-        messages: dict[bytes, list[list[zmq.Frame]]] = {}
+    def drain_frame_messages(self, max_messages: int = 1000, keep: int = 3
+                             ) -> dict[bytes, tuple[list[list[zmq.Frame]], int]]:
+        """Receive every queued frame message (at most max_messages) without blocking, grouped by topic:
+        {topic: (the newest `keep` messages oldest first as [topic, header, payload] zmq.Frames, number of
+        older ones discarded unread)}. Parts are unvalidated; the node validates the newest first and falls
+        back to an older one when the newest is bad. Keeping a few bounds memory during a burst."""
+        groups: dict[bytes, tuple[collections.deque, list[int]]] = {}
         sock = self.frames_sub
         for _ in range(max_messages):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            messages.setdefault(parts[0].bytes, []).append(parts)
-        return messages
+            kept, discarded = groups.setdefault(parts[0].bytes, (collections.deque(maxlen=keep), [0]))
+            if len(kept) == keep:
+                discarded[0] += 1
+            kept.append(parts)
+        return {topic: (list(kept), discarded[0]) for topic, (kept, discarded) in groups.items()}
 
     def drain_frames(self, max_messages: int = 1000) -> tuple[dict[bytes, list[zmq.Frame]], int]:
         """Like drain_frame_messages, keeping only the newest per topic: ({topic: parts}, number of older
         ones dropped)."""
-        messages = self.drain_frame_messages(max_messages)
-        return {topic: group[-1] for topic, group in messages.items()}, sum(len(g) - 1 for g in messages.values())
+        groups = self.drain_frame_messages(max_messages, keep=1)
+        return {topic: kept[-1] for topic, (kept, _) in groups.items()}, sum(n for _, n in groups.values())
 
     def drain_commands(self, max_messages: int = 1000) -> list[list[bytes]]:
         """Every queued command message (at most max_messages), oldest first, unvalidated."""
