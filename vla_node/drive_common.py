@@ -115,6 +115,36 @@ class DriveReader:
                 f"frames={self.frame_count}, duration_s={self.duration_ns / 1e9:.3f})")
 
 
+class McapDriveReader(DriveReader):
+    """What the MCAP readers share: `index` (McapIndex), `topics` (camera -> topic), `_first` (camera ->
+    (first frame, its stored/source encoding)) and `_frames(topics)` yielding (frame, stored encoding)."""
+
+    index: "McapIndex"
+    topics: dict[str, str]
+    _first: dict[str, tuple[DriveFrame, str]]
+
+    def _frames(self, topics: list[str]) -> Iterator[tuple[DriveFrame, str]]:
+        raise NotImplementedError
+
+    def frames(self) -> Iterator[DriveFrame]:
+        return (frame for frame, _ in self._frames(sorted(self.topics.values())))
+
+    def info(self) -> DriveInfo:
+        selected = set(self.topics.values())
+        return DriveInfo(
+            path=str(self.path),
+            kind=self.kind,
+            profile=self.index.profile,
+            cameras=self.cameras,
+            topics=dict(self.topics),
+            frame_count=self.frame_count,
+            duration_s=self.duration_ns / 1e9,
+            sizes={c: (f.width, f.height) for c, (f, _) in self._first.items()},
+            source_encodings={c: encoding for c, (_, encoding) in self._first.items()},
+            other_topics={t: n for t, n in sorted(self.index.topic_counts().items()) if t not in selected},
+        )
+
+
 # ---- MCAP access -----------------------------------------------------------------------------------
 
 

@@ -19,9 +19,8 @@ from mcap.writer import CompressionType, Writer
 
 from vla_node.drive_common import (
     DriveFrame,
-    DriveInfo,
     DriveMessage,
-    DriveReader,
+    McapDriveReader,
     McapIndex,
     drive_error,
     iter_mcap,
@@ -218,7 +217,7 @@ def _frame(path: Path, camera: str, topic: str, log_time: int, origin_ns: int, m
     return DriveFrame(camera, m["seq"], log_time - origin_ns, encoding, height, width, data)
 
 
-class NativeDriveReader(DriveReader):
+class NativeDriveReader(McapDriveReader):
     kind = "native"
 
     def __init__(self, path: Path, index: McapIndex, cameras: tuple[str, ...]) -> None:
@@ -248,9 +247,6 @@ class NativeDriveReader(DriveReader):
             camera = channel.topic[len(FRAME_PREFIX):]
             yield _frame(self.path, camera, channel.topic, message.log_time, origin, m), m["encoding"]
 
-    def frames(self) -> Iterator[DriveFrame]:
-        return (frame for frame, _ in self._frames(sorted(self.topics.values())))
-
     def messages(self, topics: Iterable[str] | None = None) -> Iterator[DriveMessage]:
         available = {ch.topic for ch in self.index.channels.values()
                      if not ch.topic.startswith(FRAME_PREFIX) and ch.message_encoding == MessageEncoding.MessagePack}
@@ -261,18 +257,3 @@ class NativeDriveReader(DriveReader):
         for _schema, channel, message in iter_mcap(self.path, wanted):
             header = _unpack(self.path, channel.topic, message.log_time, message.data)
             yield DriveMessage(channel.topic, message.log_time - origin, header)
-
-    def info(self) -> DriveInfo:
-        selected = set(self.topics.values())
-        return DriveInfo(
-            path=str(self.path),
-            kind=self.kind,
-            profile=self.index.profile,
-            cameras=self.cameras,
-            topics=dict(self.topics),
-            frame_count=self.frame_count,
-            duration_s=self.duration_ns / 1e9,
-            sizes={c: (f.width, f.height) for c, (f, _) in self._first.items()},
-            source_encodings={c: stored for c, (_, stored) in self._first.items()},
-            other_topics={t: n for t, n in sorted(self.index.topic_counts().items()) if t not in selected},
-        )

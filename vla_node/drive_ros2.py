@@ -15,7 +15,7 @@ import numpy as np
 from mcap.well_known import MessageEncoding
 from mcap_ros2.decoder import DecoderFactory
 
-from vla_node.drive_common import DriveFrame, DriveInfo, DriveReader, McapIndex, drive_error, iter_mcap
+from vla_node.drive_common import DriveFrame, McapDriveReader, McapIndex, drive_error, iter_mcap
 from vla_node.video import decode_image, jpeg_size
 
 IMAGE_SCHEMAS = ("sensor_msgs/msg/Image", "sensor_msgs/Image")
@@ -79,7 +79,7 @@ def _compressed_image(msg: Any, where: str) -> tuple[str, int, int, bytes]:
     raise ValueError(f"{where}: unsupported image format {msg.format!r}, expected jpeg or png")
 
 
-class Ros2DriveReader(DriveReader):
+class Ros2DriveReader(McapDriveReader):
     kind = "ros2"
 
     def __init__(self, path: Path, index: McapIndex, topics: list[str]) -> None:
@@ -123,21 +123,3 @@ class Ros2DriveReader(DriveReader):
             seqs[topic] = seq + 1
             yield DriveFrame(camera_name(topic), seq, message.log_time - origin, encoding, height, width,
                              payload), source
-
-    def frames(self) -> Iterator[DriveFrame]:
-        return (frame for frame, _ in self._frames(sorted(self.topics.values())))
-
-    def info(self) -> DriveInfo:
-        selected = set(self.topics.values())
-        return DriveInfo(
-            path=str(self.path),
-            kind=self.kind,
-            profile=self.index.profile,
-            cameras=self.cameras,
-            topics=dict(self.topics),
-            frame_count=self.frame_count,
-            duration_s=self.duration_ns / 1e9,
-            sizes={c: (f.width, f.height) for c, (f, _) in self._first.items()},
-            source_encodings={c: source for c, (_, source) in self._first.items()},
-            other_topics={t: n for t, n in sorted(self.index.topic_counts().items()) if t not in selected},
-        )
