@@ -325,12 +325,6 @@ def replay(
 # ---- command line (wired by cli.py) --------------------------------------------------------------------
 
 
-def add_address_arguments(parser) -> None:
-    from vla_node.cli import add_address_options
-
-    add_address_options(parser)
-
-
 def add_replay_arguments(parser) -> None:
     """`vla-node replay DRIVE [--launch F] [--connect] [--rate X | --as-fast-as-possible] [--loop N]
     [--topic T] [--out DIR] [--no-progress] [--warmup-timeout S] [--frames A --commands A --actions A
@@ -349,7 +343,9 @@ def add_replay_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--warmup-timeout", type=float, default=WARMUP_TIMEOUT_S,
                         help=f"seconds to wait for the node to answer (default {WARMUP_TIMEOUT_S:g})")
-    add_address_arguments(parser)
+    from vla_node.cli import add_address_options
+
+    add_address_options(parser)
 
 
 def replay_command(args) -> int:
