@@ -50,10 +50,11 @@ def test_most_vision_tokens_are_reused(reuse_on_drive):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "reuse as implemented deviates far more than 5% from the reference here (measured over these 30 frames: "
-    "relative L2 of the action logits mean 18%, max 30%, growing with time; the reference itself moves 6.5% a "
-    "frame): reused tokens keep tower outputs and decoder K/V computed around older pictures. The gate's pixel "
-    "threshold alone costs 4.3% (reference run on the gate's reference picture: bench reuse --pixel-floor)"))
+    "reuse deviates far more than 5% from the reference here (measured over these 30 frames with the default "
+    "VisionTokenCache/FrameTokenCache: relative L2 of the action logits mean 14%, max 24%; 18%/30% before the "
+    "residual-stream caches; the reference itself moves 6.5% a frame). The gate's pixel threshold alone costs 4.3% "
+    "mean, 5.9% max (bench reuse --pixel-floor), so this max bound cannot pass at threshold 8 without fresh "
+    "embeddings; drift_threshold 0.03 reaches 5.3% mean but only 1.2x"))
 def test_logits_stay_close_to_the_reference(reuse_on_drive):
     errors = reuse_on_drive["logit_rel_err"]
     assert errors.max() <= MAX_LOGIT_REL_ERR, errors.round(4).tolist()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -27,7 +28,7 @@ from vla_node.kv import GatherWorkspace, KVPartition, PartitionSpec, Segment, Vi
 from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
 from vla_node.model.action_head import ActionBins
 from vla_node.model.tokenizer import encode
-from vla_node.model.vision_cache import VisionStageAborted, VisionTokenCache
+from vla_node.model.vision_cache import FrameTokenCache, VisionStageAborted, VisionTokenCache
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.reference import ActionChunk, check_state
 from vla_node.validate import require
@@ -236,8 +237,9 @@ class MultiRatePolicy:
                       scene_cut: bool = False, check: Check | None = None) -> VisionUpdate:
         """images uint8 [C, S, S, 3] (prepare_frames). `tokens`: per camera, the token indices to recompute
         (from the reuse gate); None = all. Reuse happens in the vision tower always, and in the decoder's
-        vision partition when it holds just the current frame (vision_frames = 1, fifo): only the changed
-        tokens' K/V are written. A scene cut is a full refresh that flushes the vision memory."""
+        vision partition when it holds just the current frame (vision_frames = 1, fifo): there every token's
+        K/V is re-projected from its updated residual stream, the expensive parts only for the changed tokens
+        (FrameTokenCache). A scene cut is a full refresh that flushes the vision memory."""
         if not self.text_ids:
             raise RuntimeError("update_vision before update_text: the instruction must be set first")
         c = self.config
@@ -246,60 +248,65 @@ class MultiRatePolicy:
         if scene_cut or tokens is None:
             tokens = [None] * c.num_cameras
         tokens = [None if t is None else t.to(self.device) for t in tokens]
-        partial = self._decoder_reuse and bool(self._frame_ids) and all(self.tower_cache.valid) \
-            and all(t is not None for t in tokens)
+        frames = self.__dict__.get("_frame_tokens")  # the decoder side of reuse, built on first use
+        if frames is None and self._decoder_reuse:
+            frames = self._frame_tokens = FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
+                                                          c.tokens_per_frame, self.dtype)
+        partial = frames is not None and bool(self._frame_ids) and all(self.tower_cache.valid) \
+            and all(t is not None for t in tokens) and frames.context == self.instruction
         try:
             outputs = [self.tower_cache.refresh(cam, pixels[cam], tokens[cam], check) for cam in range(c.num_cameras)]
             if check is not None and not check(0.5):
                 raise StageAborted("stopped after the vision tower")
-            if partial:
-                refreshed = self._update_tokens(outputs, tokens, check)
+            if frames is not None:
+                self._update_tokens(outputs, tokens if partial else None, check, scene_cut)
             else:
                 full = torch.stack([self._tower_rows(cam, out, tokens[cam]) for cam, out in enumerate(outputs)])
                 self._admit(self.model.project_vision(full), scene_cut, check)  # full: [C, T, W]
-                refreshed = sum(T if t is None else t.numel() for t in tokens)
+            refreshed = sum(T if t is None else math.ceil(self.tower_cache.recomputed_tokens(cam))
+                            for cam, t in enumerate(tokens))
         except (StageAborted, VisionStageAborted) as e:
             self.tower_cache.discard()
+            if frames is not None:
+                frames.discard()
             raise StageAborted(str(e)) from None
         self.tower_cache.commit()
         self.frame_count += 1
         return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial)
 
     def _tower_rows(self, camera: int, out: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-        """All T tower outputs of a camera: the refreshed rows over the cached ones."""
-        if tokens is None:
-            return out
-        rows = self.tower_cache.out[camera].clone()
-        rows[tokens] = out
-        return rows
+        """All T tower outputs of a camera (the tower cache returns every token's, reused ones included)."""
+        return out
 
-    def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor], check: Check | None) -> int:
-        """Recompute only the changed tokens' K/V in the vision partition (it holds the current frame)."""
+    def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor] | None, check: Check | None,
+                       scene_cut: bool = False) -> int:
+        """The frame through the decoder with the FrameTokenCache (vision_frames = 1, fifo): every token's K/V is
+        rewritten in the vision partition; Q/attention/MLP are recomputed for `tokens` (per camera; None = all, a
+        new frame admitted as _admit does). Returns the tokens the decoder recomputed (mean over layers)."""
         c = self.config
         T = c.tokens_per_camera
-        flat = torch.cat([cam * T + t for cam, t in enumerate(tokens)])  # [n] token index within the frame
-        n = flat.numel()
-        if n == 0:
-            return 0
-        x = torch.cat([self.model.projector(out) + self.model.camera_embedding[cam] for cam, out in enumerate(outputs)])
-        main = self.vision.partitions[0]
-        slots = self._token_slots[flat]
-        slot_w = self._frame_ids[-1] % c.vision_frames
-        positions = torch.tensor(c.vision_positions(slot_w))[flat]
-        self._vision_keep.copy_(main.valid)
-        self._vision_keep[slots] = False  # the changed tokens attend to their new K/V, not the cached ones
-
-        def prefix(layer: int) -> list[Segment]:
-            old = self.vision.segments(layer)[0]
-            return [self._segment(self.text, layer), Segment(old.k, old.v, self._vision_keep)]
-
-        k_new, v_new = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
-        self._run_block(x, positions, prefix, None, k_new, v_new, check)
+        frames: FrameTokenCache = self._frame_tokens
+        if tokens is not None and all(t.numel() == 0 for t in tokens):
+            return 0  # nothing changed: the partition and the states stay as they are, bit for bit
+        x = self.model.project_vision(torch.stack(outputs))  # [C, T, W] -> [C*T, hidden]
+        flat = None if tokens is None else torch.cat([cam * T + t for cam, t in enumerate(tokens)])  # [n]
+        frame_id = self.frame_count if tokens is None else self._frame_ids[-1]
+        slot = frame_id % c.vision_frames
+        positions = torch.tensor(c.vision_positions(slot))
+        frames.run(x, positions, flat, lambda layer: self._segment(self.text, layer), self.instruction, check, self._attend)
         # commit
-        main.write(slots, k_new, v_new, positions, self._frame_ids[-1])
-        self._frame_embeds[slot_w].index_copy_(0, flat, x)
+        if tokens is None:
+            admission = self.vision.admit_frame(frame_id, frames.staged_k, frames.staged_v, positions,
+                                                scene_cut=scene_cut)
+            self._token_slots.copy_(admission.slots)
+            self._frame_ids = [f for f in self._frame_ids if f > frame_id - c.vision_frames and not scene_cut]
+            self._frame_ids.append(frame_id)
+        else:
+            self.vision.partitions[0].write(self._token_slots, frames.staged_k, frames.staged_v, positions, frame_id)
+        self._frame_embeds[slot].copy_(x)
+        frames.commit()
         self._refresh_states()
-        return n
+        return math.ceil(sum(frames.staged_rows) / len(frames.staged_rows))
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
         c = self.config

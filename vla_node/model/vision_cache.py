@@ -1,13 +1,25 @@
-"""Partial recompute of the vision tower (Eventful Transformers style).
+"""Partial recompute of the vision tower (Eventful Transformers style, with a dense residual stream).
 
-Per camera the cache keeps, for every token, each layer's input, K and V, and the final outputs. A frame
-in which only some patches changed recomputes those tokens alone: at every layer the changed tokens'
-queries attend to all tokens (the cached K/V of the unchanged ones, their own new K/V), and unchanged tokens
-keep their cached outputs. With every token changed this is the full forward pass.
+Per camera the cache keeps, for every layer and token: the layer's input when the token was last recomputed there
+(`x_ref`), its query, key and value, and the two residual updates the layer added (attention after out_proj,
+`attn_out`; MLP, `mlp_out`); and the final outputs. A frame in which only some patches changed runs the residual
+stream of every token through every layer, but recomputes the expensive parts only for some:
 
-A refresh is staged: `refresh` computes the new rows into per-camera staging buffers and returns the
-refreshed tokens' outputs; `commit` applies every staged camera at once and `discard` drops them, so the
-owner commits the tower together with the decoder's KV cache (a budget stop leaves both as they were).
+  - recomputed tokens (the gate's changed patches, plus at each layer those whose input drifted by more than
+    `drift_threshold` (relative L2) since they were last recomputed there): layer norm, Q/K/V, attention, out_proj
+    and MLP; with a drift threshold the MLP has its own gate on its input (x + attention), since reused tokens'
+    attention moves their MLP input even when the layer input did not move;
+  - reused tokens: keep their cached Q/K/V and MLP update; with `attend_all` their attention (cached query over
+    every token's current K/V) and out_proj are recomputed, so they see their changed neighbours (cheap next to
+    Q/K/V and the MLP); their residual stream carries every change of their input forward.
+
+With `fresh_embeddings` every token's patch embedding comes from the current pixels (a single [T, 3*P*P] x
+[3*P*P, W] product), so sub-threshold drift of reused patches reaches the stream too. With every token changed
+this is the full forward pass; with none changed, nothing is computed and the outputs stay bit for bit.
+
+A refresh is staged: `refresh` computes the new state of a camera into staging buffers and returns all T outputs;
+`commit` applies every staged camera at once and `discard` drops them, so the owner commits the tower together with
+the decoder's KV cache (a budget stop leaves both as they were).
 """
 
 from __future__ import annotations
@@ -17,7 +29,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vla_node.kv.attention import Segment, segmented_attention
 from vla_node.model.vision import VisionTower
 
 Check = Callable[[float], bool]  # called with the fraction done; False = stop now
@@ -27,79 +38,149 @@ class VisionStageAborted(Exception):
     pass
 
 
+def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None, threshold: float | None,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Rows to recompute: `base` (int64 [n]) plus those whose relative L2 drift ||x - x_ref|| / ||x_ref|| exceeds
+    `threshold` (None = off). x, x_ref [T, W]; mask bool [T] is scratch. Returns sorted int64 [n']."""
+    if base is None:
+        return torch.arange(x.shape[0], device=x.device)
+    if threshold is None:
+        return base
+    drift = torch.linalg.vector_norm(x - x_ref, dim=-1)  # [T]
+    torch.gt(drift, threshold * torch.linalg.vector_norm(x_ref, dim=-1), out=mask)
+    mask[base] = True
+    return mask.nonzero().flatten()
+
+
 class VisionTokenCache:
-    def __init__(self, tower: VisionTower, num_cameras: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, tower: VisionTower, num_cameras: int, dtype: torch.dtype = torch.float32, *,
+                 attend_all: bool = True, fresh_embeddings: bool = False, drift_threshold: float | None = None) -> None:
+        """attend_all: reused tokens recompute their attention over every token's current K/V (and out_proj);
+        fresh_embeddings: reused tokens' patch embeddings follow the current pixels;
+        drift_threshold: per layer, also recompute tokens whose input (and, for the MLP, whose MLP input) moved more
+        than this (relative L2) since they were last recomputed there (None = only the gate's tokens)."""
         self.tower = tower
+        self.attend_all, self.fresh_embeddings, self.drift_threshold = attend_all, fresh_embeddings, drift_threshold
         emb = tower.embeddings
         layers = tower.encoder.layers
         attn = layers[0].self_attn
         T, W = emb.position_embedding.num_embeddings, emb.patch_embedding.out_channels
         L, H, hd = len(layers), attn.heads, attn.head_dim
-        self.tokens, self.width, self.heads, self.head_dim = T, W, H, hd
-        self.k = torch.zeros(num_cameras, L, H, T, hd, dtype=dtype)  # cached keys per camera and layer
-        self.v = torch.zeros_like(self.k)
-        self.out = torch.zeros(num_cameras, T, W, dtype=dtype)  # post-layernorm outputs
-        self.valid = [False] * num_cameras
-        self._stage_k = torch.zeros(num_cameras, L, H, T, hd, dtype=dtype)
-        self._stage_v = torch.zeros_like(self._stage_k)
-        self._stage_out = torch.zeros(num_cameras, T, W, dtype=dtype)
-        self._staged: list[torch.Tensor | None | bool] = [False] * num_cameras  # False = nothing staged
-        self._keep = torch.zeros(T, dtype=torch.bool)  # cached tokens the changed ones attend to
+        C = num_cameras
+        self.tokens, self.width, self.heads, self.head_dim, self.num_layers = T, W, H, hd, L
+        self.x_ref = torch.zeros(C, L, T, W, dtype=dtype)  # each layer's input when the token was last recomputed
+        self.q = torch.zeros(C, L, H, T, hd, dtype=dtype)
+        self.k = torch.zeros_like(self.q)
+        self.v = torch.zeros_like(self.q)
+        self.attn_out = torch.zeros(C, L, T, W, dtype=dtype)  # the attention's residual update (after out_proj)
+        self.mlp_out = torch.zeros(C, L, T, W, dtype=dtype)  # the MLP's residual update
+        self.mid_ref = torch.zeros(C, L, T, W, dtype=dtype)  # each MLP's input (x + attention) when last recomputed
+        self.out = torch.zeros(C, T, W, dtype=dtype)  # post-layernorm outputs
+        self.valid = [False] * C
+        # staging: every tensor above, whole (a refresh rewrites a camera's state; commit swaps it in)
+        self._stage = {name: torch.zeros_like(getattr(self, name)) for name in self._STATE}
+        self._staged: list[bool] = [False] * C
+        self._staged_rows: list[list[int]] = [[0] * L for _ in range(C)]  # tokens recomputed per layer (accounting)
+        self._mask = torch.zeros(T, dtype=torch.bool)
+        self._x = torch.zeros(T, W, dtype=dtype)  # the residual stream of the camera being refreshed
+
+    _STATE = ("x_ref", "q", "k", "v", "attn_out", "mlp_out", "mid_ref", "out")
+
+    def recomputed_tokens(self, camera: int) -> float:
+        """Mean over layers of the tokens the staged refresh of `camera` recomputed (Q/K/V and MLP)."""
+        rows = self._staged_rows[camera]
+        return sum(rows) / len(rows)
 
     @torch.inference_mode()
     def refresh(self, camera: int, pixels: torch.Tensor, tokens: torch.Tensor | None,
                 check: Check | None = None) -> torch.Tensor:
-        """pixels [3, S, S]; tokens int64 [n] to recompute (None = all; a camera's first frame is always
-        full). Stages the new rows and returns the refreshed tokens' outputs [n, W] (all T when full)."""
+        """pixels [3, S, S]; tokens int64 [n] to recompute (None = all; a camera's first frame is always full).
+        Stages the camera's new state and returns its outputs [T, W] (every token's: reused tokens move too when
+        their context does)."""
         if not self.valid[camera]:
             tokens = None
+        if tokens is not None:
+            tokens = tokens.sort().values
+        st = {name: buf[camera] for name, buf in self._stage.items()}
+        live = {name: getattr(self, name)[camera] for name in self._STATE}
+        if tokens is not None and tokens.numel() == 0:  # nothing changed: the state stays as it is, bit for bit
+            for name in self._STATE:
+                st[name].copy_(live[name])
+            self._staged[camera] = True
+            self._staged_rows[camera] = [0] * self.num_layers
+            return st["out"]
         emb = self.tower.embeddings
         patches = emb.patchify(pixels[None])[0]  # [T, 3*P*P]
-        if tokens is not None:
-            patches = patches[tokens]  # [n, 3*P*P]
-        x = emb.embed_patches(patches[None], tokens)[0]  # [n, W]
-        n = x.shape[0]
-        if tokens is not None:
-            self._keep.fill_(True)
-            self._keep[tokens] = False
-        n_layers = len(self.tower.encoder.layers)
+        x = self._x
+        if tokens is None or self.fresh_embeddings:
+            x.copy_(emb.embed_patches(patches[None])[0])  # [T, W]
+        else:
+            x.copy_(live["x_ref"][0])
+            x[tokens] = emb.embed_patches(patches[tokens][None], tokens)[0]
         for i, layer in enumerate(self.tower.encoder.layers):
-            if check is not None and not check(0.5 * i / n_layers):  # the tower is about half the stage
+            if check is not None and not check(0.5 * i / self.num_layers):  # the tower is about half the stage
                 raise VisionStageAborted(f"stopped before vision layer {i}")
-            a = layer.self_attn
-            h = layer.layer_norm1(x)
-            q = a.q_proj(h).reshape(n, self.heads, self.head_dim).transpose(0, 1)  # [n, W] -> [H, n, hd]
-            k = a.k_proj(h).reshape(n, self.heads, self.head_dim).transpose(0, 1)
-            v = a.v_proj(h).reshape(n, self.heads, self.head_dim).transpose(0, 1)
-            self._stage_k[camera, i, :, :n].copy_(k)
-            self._stage_v[camera, i, :, :n].copy_(v)
-            if tokens is None:
-                attn = F.scaled_dot_product_attention(q, k, v)  # [H, n, hd]
-            else:
-                cached = Segment(self.k[camera, i], self.v[camera, i], self._keep)
-                attn, _ = segmented_attention(q, [cached, Segment(k, v, None)])
-            x = x + a.out_proj(attn.transpose(0, 1).reshape(n, self.width))  # [H, n, hd] -> [n, W]
-            x = x + layer.mlp(layer.layer_norm2(x))
-        y = self.tower.post_layernorm(x)  # [n, W]
-        self._stage_out[camera, :n].copy_(y)
-        self._staged[camera] = tokens
-        return y
+            self._layer(i, layer, x, tokens, live, st, camera)
+        st["out"].copy_(self.tower.post_layernorm(x))
+        self._staged[camera] = True
+        return st["out"]
+
+    def _layer(self, i: int, layer, x: torch.Tensor, tokens: torch.Tensor | None, live: dict, st: dict,
+               camera: int) -> None:
+        """One encoder layer over the residual stream x [T, W] (updated in place), writing the staged state."""
+        a = layer.self_attn
+        T, W, H, hd = self.tokens, self.width, self.heads, self.head_dim
+        rows = drifted_rows(x, live["x_ref"][i], tokens, self.drift_threshold, self._mask)  # [n]
+        n = rows.numel()
+        self._staged_rows[camera][i] = n
+        full = n == T
+        xr = x if full else x[rows]  # [n, W]
+        sq, sk, sv, sx = st["q"][i], st["k"][i], st["v"][i], st["x_ref"][i]
+        h = layer.layer_norm1(xr)
+        q = a.q_proj(h).reshape(n, H, hd).transpose(0, 1)  # [n, W] -> [H, n, hd]
+        k = a.k_proj(h).reshape(n, H, hd).transpose(0, 1)
+        v = a.v_proj(h).reshape(n, H, hd).transpose(0, 1)
+        if full:
+            sq.copy_(q), sk.copy_(k), sv.copy_(v), sx.copy_(x)
+        else:
+            for buf, new, old in ((sq, q, live["q"][i]), (sk, k, live["k"][i]), (sv, v, live["v"][i])):
+                buf.copy_(old)
+                buf[:, rows] = new
+            sx.copy_(live["x_ref"][i])
+            sx[rows] = xr
+        sa, sm = st["attn_out"][i], st["mlp_out"][i]
+        if full or self.attend_all:
+            attn = F.scaled_dot_product_attention(sq, sk, sv)  # [H, T, hd]
+            sa.copy_(a.out_proj(attn.transpose(0, 1).reshape(T, W)))  # [H, T, hd] -> [T, W]
+        else:
+            attn = F.scaled_dot_product_attention(q, sk, sv)  # [H, n, hd]
+            sa.copy_(live["attn_out"][i])
+            sa[rows] = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
+        x.add_(sa)
+        if not full and self.drift_threshold is not None:  # the MLP's own gate: its input moved with the attention
+            rows = drifted_rows(x, live["mid_ref"][i], rows, self.drift_threshold, self._mask)
+            n = rows.numel()
+            full = n == T
+            self._staged_rows[camera][i] = n
+        smid = st["mid_ref"][i]
+        if full:
+            smid.copy_(x)
+            sm.copy_(layer.mlp(layer.layer_norm2(x)))
+        else:
+            smid.copy_(live["mid_ref"][i])
+            smid[rows] = x[rows]
+            sm.copy_(live["mlp_out"][i])
+            sm[rows] = layer.mlp(layer.layer_norm2(x[rows]))  # [n, W]
+        x.add_(sm)
 
     def commit(self) -> None:
         """Apply every staged refresh."""
-        for camera, tokens in enumerate(self._staged):
-            if tokens is False:
+        for camera, staged in enumerate(self._staged):
+            if not staged:
                 continue
-            if tokens is None:
-                self.k[camera].copy_(self._stage_k[camera])
-                self.v[camera].copy_(self._stage_v[camera])
-                self.out[camera].copy_(self._stage_out[camera])
-                self.valid[camera] = True
-            else:
-                n = tokens.numel()
-                self.k[camera].index_copy_(2, tokens, self._stage_k[camera, :, :, :n])
-                self.v[camera].index_copy_(2, tokens, self._stage_v[camera, :, :, :n])
-                self.out[camera].index_copy_(0, tokens, self._stage_out[camera, :n])
+            for name in self._STATE:
+                getattr(self, name)[camera].copy_(self._stage[name][camera])
+            self.valid[camera] = True
         self.discard()
 
     def discard(self) -> None:
@@ -107,4 +188,130 @@ class VisionTokenCache:
 
     def reset(self) -> None:
         self.valid = [False] * len(self.valid)
+        self.discard()
+
+
+class FrameTokenCache:
+    """The decoder side of reuse: the current frame's vision tokens through the decoder, one frame (vision_frames = 1).
+
+    Kept per layer and token: the layer's input when the token was last recomputed there (`x_ref`), its query
+    (after RoPE), its key and value (fp32, every token's; the vision partition stores them in its own dtype), and
+    the two residual updates (attention after o_proj, MLP). A partial run keeps the residual stream of every token
+    and, at every layer, re-projects every token's K/V from its current input (cheap next to the rest: grouped-query
+    K/V), so that the action queries see every token's change; it recomputes Q, attention, o_proj and the MLP only
+    for the recomputed tokens (the gate's, plus those whose input drifted by more than `drift_threshold`); reused
+    tokens recompute their attention with their cached query when `attend_all`. Staged like the tower cache.
+    """
+
+    _STATE = ("x_ref", "q", "k", "v", "attn_out", "mlp_out", "mid_ref")
+
+    def __init__(self, layers, rope, tokens: int, dtype: torch.dtype = torch.float32, *, attend_all: bool = True,
+                 drift_threshold: float | None = None) -> None:
+        self.layers, self.rope = layers, rope
+        self.attend_all, self.drift_threshold = attend_all, drift_threshold
+        a = layers[0].self_attn
+        L, H, KV, hd = len(layers), a.heads, a.kv_heads, a.head_dim
+        hidden = a.q_proj.in_features
+        self.tokens, self.hidden, self.heads, self.kv_heads, self.head_dim = tokens, hidden, H, KV, hd
+        self.x_ref = torch.zeros(L, tokens, hidden, dtype=dtype)
+        self.q = torch.zeros(L, H, tokens, hd, dtype=dtype)
+        self.k = torch.zeros(L, KV, tokens, hd, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros(L, tokens, hidden, dtype=dtype)
+        self.mlp_out = torch.zeros_like(self.attn_out)
+        self.mid_ref = torch.zeros_like(self.attn_out)  # each MLP's input when last recomputed
+        self._stage = {name: torch.zeros_like(getattr(self, name)) for name in self._STATE}
+        self._mask = torch.zeros(tokens, dtype=torch.bool)
+        self._x = torch.zeros(tokens, hidden, dtype=dtype)
+        self.context: object = None  # what the cached state was computed against (the instruction); None = empty
+        self._staged_context: object = None
+        self._staged = False
+        self.staged_rows = [0] * L  # tokens recomputed per layer by the staged run (accounting)
+
+    @property
+    def staged_k(self) -> torch.Tensor:
+        return self._stage["k"]  # [L, KV, T, hd]
+
+    @property
+    def staged_v(self) -> torch.Tensor:
+        return self._stage["v"]
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None,
+            text: Callable[[int], "Segment"], context: object, check: Check | None = None,
+            attend: Callable | None = None) -> None:
+        """x [T, hidden] every token's input embedding; positions int64 [T]; tokens int64 [n] to recompute (None =
+        all, which is required when the cache holds nothing for `context`); text(layer) the text partition's
+        Segment. Stages every layer's K/V (staged_k, staged_v) and the cache's new state. `check` as in the
+        policy's blocks (raises VisionStageAborted)."""
+        from vla_node.kv.attention import Segment, segmented_attention
+        from vla_node.model.decoder import apply_rope
+
+        attend = attend or segmented_attention
+        if tokens is not None and context != self.context:
+            raise ValueError(f"partial decoder run against context {context!r}: the cache holds {self.context!r}")
+        T, hidden, H, KV, hd = self.tokens, self.hidden, self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.rope(positions, x.dtype)  # [T, hd]
+        s = self._stage
+        xs = self._x
+        xs.copy_(x)
+        n_layers = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            if check is not None and not check(i / n_layers):
+                raise VisionStageAborted(f"stopped before decoder layer {i}")
+            a = layer.self_attn
+            rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask)  # [n]
+            n = rows.numel()
+            self.staged_rows[i] = n
+            full = n == T
+            h = layer.input_layernorm(xs)  # [T, hidden]
+            s["k"][i].copy_(apply_rope(a.k_proj(h).reshape(T, KV, hd).transpose(0, 1), cos, sin))  # -> [KV, T, hd]
+            s["v"][i].copy_(a.v_proj(h).reshape(T, KV, hd).transpose(0, 1))
+            sq, sx = s["q"][i], s["x_ref"][i]
+            if full:
+                sq.copy_(apply_rope(a.q_proj(h).reshape(T, H, hd).transpose(0, 1), cos, sin))  # -> [H, T, hd]
+                sx.copy_(xs)
+            else:
+                sq.copy_(self.q[i])
+                sq[:, rows] = apply_rope(a.q_proj(h[rows]).reshape(n, H, hd).transpose(0, 1), cos[rows], sin[rows])
+                sx.copy_(self.x_ref[i])
+                sx[rows] = xs[rows]
+            own = Segment(s["k"][i], s["v"][i], None)
+            sa, sm = s["attn_out"][i], s["mlp_out"][i]
+            if full or self.attend_all:
+                attn, _ = attend(sq, [text(i), own])  # [H, T, hd]
+                sa.copy_(a.o_proj(attn.transpose(0, 1).reshape(T, H * hd)))  # [H, T, hd] -> [T, H*hd]
+            else:
+                attn, _ = attend(sq[:, rows], [text(i), own])  # [H, n, hd]
+                sa.copy_(self.attn_out[i])
+                sa[rows] = a.o_proj(attn.transpose(0, 1).reshape(n, H * hd))  # [H, n, hd] -> [n, H*hd]
+            xs.add_(sa)
+            if not full and self.drift_threshold is not None:  # the MLP's own gate
+                rows = drifted_rows(xs, self.mid_ref[i], rows, self.drift_threshold, self._mask)
+                full = rows.numel() == T
+                self.staged_rows[i] = rows.numel()
+            smid = s["mid_ref"][i]
+            if full:
+                smid.copy_(xs)
+                sm.copy_(layer.mlp(layer.post_attention_layernorm(xs)))
+            else:
+                smid.copy_(self.mid_ref[i])
+                smid[rows] = xs[rows]
+                sm.copy_(self.mlp_out[i])
+                sm[rows] = layer.mlp(layer.post_attention_layernorm(xs[rows]))
+            xs.add_(sm)
+        self._staged, self._staged_context = True, context
+
+    def commit(self) -> None:
+        if not self._staged:
+            return
+        for name in self._STATE:
+            getattr(self, name).copy_(self._stage[name])
+        self.context = self._staged_context
+        self.discard()
+
+    def discard(self) -> None:
+        self._staged = False
+
+    def reset(self) -> None:
+        self.context = None
         self.discard()

@@ -1,0 +1,159 @@
+"""The reuse caches (vision tower and decoder frame tokens): exact where they must be, staged, and really reusing."""
+
+import numpy as np
+import pytest
+import torch
+
+from vla_node.model import build_vla, preset
+from vla_node.model.vision_cache import FrameTokenCache, VisionTokenCache
+from vla_node.model.vla import to_pixels
+from vla_node.multirate import CacheConfig, MultiRatePolicy, StageAborted
+
+pytestmark = pytest.mark.unit
+
+CONFIG = preset("tiny").replace(image_size=64, vision_frames=1, state_slots=1)  # 16 tokens per frame
+
+
+def moving(n, seed=0):
+    """A still picture with a bright bar walking down it (a few patches change each frame)."""
+    rng = np.random.default_rng(seed)
+    still = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    for i in range(n):
+        frame = still.copy()
+        frame[(i * 9) % 56 : (i * 9) % 56 + 8] = 255
+        yield frame
+
+
+def changed_tokens(a, b, patch=16):
+    """Tokens (row-major patches) whose pixels differ between a and b."""
+    grid = a.shape[0] // patch
+    diff = np.abs(a.astype(np.int16) - b.astype(np.int16)).reshape(grid, patch, grid, patch, 3).sum(axis=(1, 3, 4))
+    return torch.from_numpy(np.flatnonzero(diff.reshape(-1)))
+
+
+@torch.inference_mode()
+def test_tower_cache_full_refresh_equals_the_tower_and_drift_zero_tracks_it():
+    model = build_vla(CONFIG, seed=1)
+    frames = list(moving(4))
+    exact = VisionTokenCache(model.vision, 1, drift_threshold=0.0)  # every drifted token is recomputed
+    for i, frame in enumerate(frames):
+        pixels = to_pixels(frame[None])  # [1, 3, S, S]
+        tokens = None if i == 0 else changed_tokens(frames[i - 1], frame)
+        assert tokens is None or 0 < tokens.numel() < CONFIG.tokens_per_camera
+        out = exact.refresh(0, pixels[0], tokens).clone()
+        exact.commit()
+        torch.testing.assert_close(out, model.vision(pixels)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_tower_cache_reuses_outputs_of_an_unchanged_frame_bit_for_bit_and_stages():
+    model = build_vla(CONFIG, seed=1)
+    cache = VisionTokenCache(model.vision, 1)
+    frame_a, frame_b = list(moving(2))
+    pixels_a, pixels_b = to_pixels(frame_a[None])[0], to_pixels(frame_b[None])[0]
+    first = cache.refresh(0, pixels_a, None).clone()
+    cache.commit()
+    again = cache.refresh(0, pixels_a, torch.zeros(0, dtype=torch.long))
+    assert torch.equal(again, first) and cache.recomputed_tokens(0) == 0
+    cache.commit()
+    same = cache.refresh(0, pixels_a, torch.arange(0, CONFIG.tokens_per_camera, 3))  # recompute a third, unchanged
+    torch.testing.assert_close(same, first, atol=1e-6, rtol=1e-6)
+    cache.discard()
+    before = cache.out.clone()
+    moved = cache.refresh(0, pixels_b, changed_tokens(frame_a, frame_b)).clone()
+    assert torch.equal(cache.out, before)  # staged only
+    cache.discard()
+    assert torch.equal(cache.out, before)
+    assert not torch.allclose(moved, before)  # the changed tokens' outputs move ...
+    cache.refresh(0, pixels_b, changed_tokens(frame_a, frame_b))
+    cache.commit()
+    assert torch.equal(cache.out[0], moved)  # ... and a commit applies exactly what was staged
+
+
+@pytest.mark.parametrize("attend_all", [True])
+def test_partial_decoder_run_with_drift_zero_equals_full_refresh(attend_all):
+    """Drift threshold 0: every token whose input moved is recomputed at every layer, so the partial path (tower
+    and decoder) must equal a full refresh; and the reuse ratio still counts the gate's tokens at the first layer."""
+    model = build_vla(CONFIG, seed=2)
+    partial = MultiRatePolicy(model, CacheConfig.exact())
+    full = MultiRatePolicy(model, CacheConfig.exact())
+    for policy in (partial, full):
+        policy.update_text("keep lane")
+    frames = list(moving(5, seed=3))
+    state = np.zeros(CONFIG.state_dim, np.float32)
+    for i, frame in enumerate(frames):
+        images = frame[None]
+        tokens = None if i == 0 else [changed_tokens(frames[i - 1], frame)]
+        update = partial.update_vision(images, tokens)
+        if i == 0:
+            tower, frames_cache = partial.tower_cache, partial._frame_tokens
+            assert isinstance(frames_cache, FrameTokenCache)
+            tower.drift_threshold = frames_cache.drift_threshold = 0.0
+            tower.attend_all = frames_cache.attend_all = attend_all
+        assert update.full == (i == 0)
+        full.update_vision(images)
+        a, b = partial.action_tick(state), full.action_tick(state)
+        assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
+
+
+def test_default_partial_update_reuses_and_stays_closer_than_stale_outputs():
+    """The defaults (no drift gate): only the gate's tokens run Q/K/V and the MLP; the result differs from a full
+    refresh but every token's K/V moved with its context."""
+    model = build_vla(CONFIG, seed=4)
+    partial = MultiRatePolicy(model, CacheConfig.exact())
+    full = MultiRatePolicy(model, CacheConfig.exact())
+    for policy in (partial, full):
+        policy.update_text("keep lane")
+    frames = list(moving(3, seed=5))
+    partial.update_vision(frames[0][None])
+    full.update_vision(frames[0][None])
+    vision_k_before = partial.vision.partitions[0].k.clone()
+    tokens = changed_tokens(frames[0], frames[1])
+    update = partial.update_vision(frames[1][None], [tokens])
+    assert not update.full and update.tokens_refreshed == tokens.numel() < CONFIG.tokens_per_frame
+    assert partial._frame_tokens.staged_rows == [tokens.numel()] * CONFIG.num_layers
+    unchanged = torch.ones(CONFIG.tokens_per_frame, dtype=torch.bool)
+    unchanged[tokens] = False
+    slots = partial._token_slots[unchanged]
+    k_after = partial.vision.partitions[0].k
+    assert not torch.equal(k_after[:, :, slots], vision_k_before[:, :, slots])  # reused tokens' K/V follow context
+
+
+def test_text_change_makes_the_next_vision_update_full_and_exact():
+    model = build_vla(CONFIG, seed=6)
+    partial = MultiRatePolicy(model, CacheConfig.exact())
+    full = MultiRatePolicy(model, CacheConfig.exact())
+    frames = list(moving(3, seed=7))
+    state = np.zeros(CONFIG.state_dim, np.float32)
+    for policy in (partial, full):
+        policy.update_text("keep lane")
+        policy.update_vision(frames[0][None])
+    partial.update_vision(frames[1][None], [changed_tokens(frames[0], frames[1])])
+    full.update_vision(frames[1][None])
+    for policy in (partial, full):
+        policy.update_text("merge left")
+    update = partial.update_vision(frames[2][None], [changed_tokens(frames[1], frames[2])])
+    assert update.full  # the frame cache was computed against the old instruction
+    full.update_vision(frames[2][None])
+    a, b = partial.action_tick(state), full.action_tick(state)
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
+
+
+def test_aborted_partial_update_leaves_both_caches_as_they_were():
+    model = build_vla(CONFIG, seed=8)
+    policy = MultiRatePolicy(model, CacheConfig())
+    policy.update_text("keep lane")
+    frames = list(moving(2, seed=9))
+    policy.update_vision(frames[0][None])
+    frame_cache = policy._frame_tokens
+    snapshot = [t.clone() for t in (policy.tower_cache.out, policy.tower_cache.mlp_out, frame_cache.k,
+                                    frame_cache.mlp_out, policy.vision.partitions[0].k)]
+    checks = iter([True] * 3 + [False])  # stop inside the tower ... then inside the decoder on a second try
+    with pytest.raises(StageAborted):
+        policy.update_vision(frames[1][None], [changed_tokens(frames[0], frames[1])], check=lambda f: next(checks))
+    checks = iter([True] * (CONFIG.vision_layers + 1) + [True, False])
+    with pytest.raises(StageAborted):
+        policy.update_vision(frames[1][None], [changed_tokens(frames[0], frames[1])], check=lambda f: next(checks))
+    after = [policy.tower_cache.out, policy.tower_cache.mlp_out, frame_cache.k, frame_cache.mlp_out,
+             policy.vision.partitions[0].k]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
