@@ -15,6 +15,7 @@ in fp32 and no eviction, this equals the reference policy (tests/test_multirate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -42,7 +43,7 @@ def on_device(verb):
 
     @functools.wraps(verb)
     def wrapper(self, *args, **kwargs):
-        with torch.inference_mode(), self.device:
+        with torch.inference_mode(), self._device_scope():
             return verb(self, *args, **kwargs)
 
     return wrapper
@@ -96,6 +97,11 @@ class MultiRatePolicy:
         with self.device:  # every buffer below is allocated on the device
             self._allocate(model, cache, dtype)
 
+    def _device_scope(self):
+        """The device as the default for new tensors; nothing on the CPU, where that mode costs ~20 ms a tick
+        in Python overhead (it intercepts every torch call)."""
+        return contextlib.nullcontext() if self.device.type == "cpu" else self.device
+
     def _allocate(self, model: VLA, cache: CacheConfig, dtype: torch.dtype) -> None:
         self.cache_config = cache
         c = self.config = model.config
@@ -112,8 +118,9 @@ class MultiRatePolicy:
         self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd), dev)
         self._read = {p.name: self._read_buffers(p) for p in (self.text, self.action)}
         # staging: the K/V a stage computes, laid out text | frames | states, committed at the end
-        self._stage_k = torch.zeros(L, KV, c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
-                                    hd, dtype=dtype)
+        stage_tokens = max(c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
+                           1 + c.action_tokens)
+        self._stage_k = torch.zeros(L, KV, stage_tokens, hd, dtype=dtype)
         self._stage_v = torch.zeros_like(self._stage_k)
         self._query_k = torch.zeros(L, KV, c.action_tokens, hd, dtype=dtype)  # autoregressive query K/V
         self._query_v = torch.zeros_like(self._query_k)
@@ -141,6 +148,13 @@ class MultiRatePolicy:
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
         self._others = torch.zeros(c.state_slots, dtype=torch.bool)
+        # the fused tick block (parallel decoding): state token + H*D queries
+        n_tick = 1 + c.action_tokens
+        self._tick_positions = torch.cat([torch.zeros(1, dtype=torch.long),
+                                          torch.arange(c.query_base, c.query_base + c.action_tokens)])
+        self._tick_mask = torch.ones(n_tick, n_tick, dtype=torch.bool).tril()  # queries: the state + causal
+        self._tick_mask[0, 0] = True
+        self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
 
     def _read_buffers(self, p: KVPartition):
@@ -347,19 +361,23 @@ class MultiRatePolicy:
         s = check_state(state, c.state_dim).to(self.device, self.dtype)
         slot = self.state_count % c.state_slots
         x = self.model.embed_state(s)  # [1, hidden]
-        k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
         position = torch.tensor([c.state_base + slot])
-        self._run_block(x, position, self._vision_prefix, None, k_s, v_s, check)
         self._others.copy_(self.action.valid)
         self._others[slot] = False  # the slot being replaced in the ring
-
-        def prefix(layer: int) -> list[Segment]:
-            old = self._segment(self.action, layer)
-            return [*self._vision_prefix(layer), Segment(old.k, old.v, self._others), Segment(k_s[layer], v_s[layer], None)]
-
         for imp in self._importance:
             imp.zero_()
-        bins = self._decode_queries(prefix, check)
+        if c.action_decode == "parallel":
+            bins, k_s, v_s = self._decode_tick(x, position, check)
+        else:
+            k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
+            self._run_block(x, position, self._vision_prefix, None, k_s, v_s, check)
+
+            def prefix(layer: int) -> list[Segment]:
+                old = self._segment(self.action, layer)
+                return [*self._vision_prefix(layer), Segment(old.k, old.v, self._others),
+                        Segment(k_s[layer], v_s[layer], None)]
+
+            bins = self._decode_queries(prefix, check)
         # commit
         self.action.write(torch.tensor([slot]), k_s, v_s, position, 0)
         self._state_embeds[slot].copy_(x[0])
@@ -370,17 +388,33 @@ class MultiRatePolicy:
         logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
         return ActionChunk(self.bins.to_values(bins), bins, logits)
 
+    def _decode_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
+        """Parallel decoding: the state token and the H*D queries as one block, so a tick reads the weights
+        once. Row 0 (the state) attends to text, vision and itself; the queries also to the other states,
+        the new state and, causally, each other. Returns (bins [H, D], the state's K and V [L, KV, 1, hd])."""
+        c, m = self.config, self.model
+        x = torch.cat([x_state, m.embed_text(m.query_ids(None))])  # [1 + H*D, hidden]
+        self._tick_positions[0] = position[0]
+        self._old_states[1:] = self._others  # [1 + H*D, K]: the state row sees no other state
+
+        def prefix(layer: int) -> list[Segment]:
+            old = self._segment(self.action, layer)
+            return [*self._vision_prefix(layer), Segment(old.k, old.v, self._old_states)]
+
+        n = 1 + c.action_tokens
+        k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
+        importance = self._importance if self._track_importance else None
+        h = self._run_block(x, self._tick_positions, prefix, self._tick_mask, k, v, check, importance)
+        self._logits.copy_(m.decoder.logits(h[1:]))
+        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1]
+
     def _decode_queries(self, prefix: Callable[[int], list[Segment]], check: Check | None) -> np.ndarray:
-        """Run the H*D action queries over the prefix; logits into self._logits; returns bins [H, D]."""
+        """Autoregressive decoding of the H*D action queries over the prefix (the state already staged);
+        logits into self._logits; returns bins [H, D]."""
         c, m = self.config, self.model
         n = c.action_tokens
         positions = torch.arange(c.query_base, c.query_base + n)
         importance = self._importance if self._track_importance else None
-        if c.action_decode == "parallel":
-            x = m.embed_text(m.query_ids(None))
-            h = self._run_block(x, positions, prefix, self._query_causal, None, None, check, importance)
-            self._logits.copy_(m.decoder.logits(h))
-            return self.bins.bins_from_logits(self._logits).cpu().numpy()
         bins = torch.zeros(0, dtype=torch.long)
         for i in range(n):
             x = m.embed_text(m.query_ids(bins)[i : i + 1])  # [1, hidden]
