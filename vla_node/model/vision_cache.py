@@ -249,7 +249,7 @@ class FrameTokenCache:
         attend = attend or segmented_attention
         if tokens is not None and context != self.context:
             raise ValueError(f"partial decoder run against context {context!r}: the cache holds {self.context!r}")
-        T, hidden, H, KV, hd = self.tokens, self.hidden, self.heads, self.kv_heads, self.head_dim
+        T, H, KV, hd = self.tokens, self.heads, self.kv_heads, self.head_dim
         cos, sin = self.rope(positions, x.dtype)  # [T, hd]
         s = self._stage
         xs = self._x
