@@ -144,6 +144,8 @@ class MultiRatePolicy:
         self._track_importance = vcfg.policy in IMPORTANCE_POLICIES
         self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype)
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
+        self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
+                                              c.tokens_per_frame, dtype) if self._decoder_reuse else None)
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
@@ -262,10 +264,7 @@ class MultiRatePolicy:
         if scene_cut or tokens is None:
             tokens = [None] * c.num_cameras
         tokens = [None if t is None else t.to(self.device) for t in tokens]
-        frames = self.__dict__.get("_frame_tokens")  # the decoder side of reuse, built on first use
-        if frames is None and self._decoder_reuse:
-            frames = self._frame_tokens = FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
-                                                          c.tokens_per_frame, self.dtype)
+        frames = self._frame_tokens  # the decoder side of reuse (None unless vision_frames = 1 and fifo)
         partial = frames is not None and bool(self._frame_ids) and all(self.tower_cache.valid) \
             and all(t is not None for t in tokens) and frames.context == self.instruction
         try:
@@ -275,8 +274,7 @@ class MultiRatePolicy:
             if frames is not None:
                 self._update_tokens(outputs, tokens if partial else None, check, scene_cut)
             else:
-                full = torch.stack([self._tower_rows(cam, out, tokens[cam]) for cam, out in enumerate(outputs)])
-                self._admit(self.model.project_vision(full), scene_cut, check)  # full: [C, T, W]
+                self._admit(self.model.project_vision(torch.stack(outputs)), scene_cut, check)  # [C, T, W]
             refreshed = sum(T if t is None else math.ceil(self.tower_cache.recomputed_tokens(cam))
                             for cam, t in enumerate(tokens))
         except (StageAborted, VisionStageAborted) as e:
@@ -287,10 +285,6 @@ class MultiRatePolicy:
         self.tower_cache.commit()
         self.frame_count += 1
         return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial)
-
-    def _tower_rows(self, camera: int, out: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-        """All T tower outputs of a camera (the tower cache returns every token's, reused ones included)."""
-        return out
 
     def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor] | None, check: Check | None,
                        scene_cut: bool = False) -> int:
