@@ -95,3 +95,21 @@ def test_static_scene_reuses_everything_and_keeps_outputs():
         assert update.tokens_refreshed == 0 and update.reuse_ratio == 1.0 and not update.full
         again = policy.action_tick(state)
         assert torch.equal(again.logits, first.logits)
+
+
+def test_drift_thresholds_from_the_reuse_config_recompute_more_tokens():
+    from vla_node.reuse import ReuseConfig
+
+    config = preset("tiny").replace(vision_frames=1, image_size=64)  # 16 tokens a frame
+    reuse = ReuseConfig(tower_drift_threshold=1e-6, decoder_drift_threshold=1e-6)  # any drift at all
+    gated = MultiRatePolicy(build_vla(config, seed=2), CacheConfig(), reuse=reuse)
+    plain = MultiRatePolicy(build_vla(config, seed=2), CacheConfig())
+    assert gated.tower_cache.drift_threshold == 1e-6 and gated._frame_tokens.drift_threshold == 1e-6
+    frames = [frame for frame, _ in frames_and_states(2, seed=4)]
+    one = [torch.tensor([0])]
+    for policy in (gated, plain):
+        policy.update_text("keep lane")
+        policy.update_vision(policy.prepare_frames([frames[0]]))
+    assert plain.update_vision(plain.prepare_frames([frames[1]]), one).tokens_refreshed == 1
+    # token 0 changed; with a near-zero drift threshold every token it influences is recomputed too
+    assert gated.update_vision(gated.prepare_frames([frames[1]]), one).tokens_refreshed > 1

@@ -32,6 +32,7 @@ from vla_node.model.tokenizer import encode
 from vla_node.model.vision_cache import FrameTokenCache, VisionStageAborted, VisionTokenCache
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.reference import ActionChunk, check_state
+from vla_node.reuse import ReuseConfig
 from vla_node.validate import require
 
 Check = Callable[[float], bool]  # called with the fraction of the block done; False = stop now (out of budget)
@@ -90,8 +91,9 @@ class CacheConfig:
 
 class MultiRatePolicy:
     def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", reuse: ReuseConfig = ReuseConfig()) -> None:
         self.device = torch.device(device)
+        self.reuse_config = reuse
         self.model = model.to(device=self.device, dtype=dtype)
         self.dtype = dtype
         with self.device:  # every buffer below is allocated on the device
@@ -142,10 +144,14 @@ class MultiRatePolicy:
         self.state_count = 0
         self._frame_ids: list[int] = []  # frames in the vision memory, oldest first (their slot is id % W)
         self._track_importance = vcfg.policy in IMPORTANCE_POLICIES
-        self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype)
+        reuse = self.reuse_config
+        self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype,
+                                            drift_threshold=reuse.tower_drift_threshold)
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
         self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
-                                              c.tokens_per_frame, dtype) if self._decoder_reuse else None)
+                                              c.tokens_per_frame, dtype,
+                                              drift_threshold=reuse.decoder_drift_threshold)
+                              if self._decoder_reuse else None)
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot

@@ -90,12 +90,12 @@ class Pipeline:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "
                               "on this machine; use 'cpu'")
-        self.policy = MultiRatePolicy(load_model(config), config.cache, dtype, device)
+        self.policy = MultiRatePolicy(load_model(config), config.cache, dtype, device, config.reuse)
         c = self.policy.config
         self.small = None
         if config.scheduler.smaller_preset is not None:
             self.small = MultiRatePolicy(load_model(config, config.scheduler.smaller_preset), config.cache, dtype,
-                                         device)
+                                         device, config.reuse)
         self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
         self.broker = ChunkBroker.from_config(config.scheduler, c.action_horizon, c.action_dims)
         self.state = np.zeros(c.state_dim, np.float32)
