@@ -173,8 +173,8 @@ class Pipeline:
             return result
 
         if plan.run_text:
-            if run("text", lambda check: policy.update_text(instruction, check)) is not None or \
-                    budget.completed("text"):
+            run("text", lambda check: policy.update_text(instruction, check))
+            if budget.completed("text"):  # else the old instruction stays, and the new one is retried next frame
                 self.instruction = instruction
                 if self.small is not None and policy is self.policy:
                     self.small.update_text(instruction)

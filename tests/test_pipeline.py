@@ -1,0 +1,56 @@
+"""The worker's per-frame pipeline without sockets or threads, on an injected clock."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vla_node.config import load_launch
+from vla_node.pipeline import Pipeline
+from vla_node.protocol import Frame
+from vla_node.scheduler import TickStatus
+
+pytestmark = pytest.mark.unit
+TINY = Path(__file__).parent / "launch" / "tiny.toml"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10**12
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def frame(seq: int, stamp_ns: int, value: int) -> Frame:
+    rgb = np.full((48, 64, 3), value, np.uint8)
+    rgb[: 8 + seq % 16] = 255 - value  # a band that moves: some patches change
+    return Frame("front", seq, stamp_ns, "rgb8", 48, 64, rgb)
+
+
+def test_frames_become_fresh_chunks_and_an_instruction_change_is_applied():
+    clock = Clock()
+    pipeline = Pipeline(load_launch(TINY), clock)
+    pipeline.warm_up(rounds=1)
+    assert pipeline.instruction == "keep lane"
+    for seq in range(4):
+        instruction = "exit right" if seq >= 2 else None
+        plan = pipeline.process([frame(seq, clock.now, 40)], instruction, np.ones(4, np.float32))
+        assert plan.level == 0 and not plan.stale
+        out = pipeline.broker.next(clock.now)
+        assert out.status is TickStatus.FRESH and out.frame_seq == seq
+        assert out.action.shape == (pipeline.policy.config.action_dims,) and np.isfinite(out.action).all()
+        clock.now += 100_000_000
+    assert pipeline.instruction == "exit right" and pipeline.policy.instruction == "exit right"
+    assert pipeline.frames_processed == 4
+    assert pipeline.metrics.frame_seq == 3 and 0.0 <= pipeline.metrics.reuse_ratio <= 1.0
+
+
+def test_a_frame_past_its_deadline_runs_nothing():
+    clock = Clock()
+    pipeline = Pipeline(load_launch(TINY), clock)
+    pipeline.warm_up(rounds=1)
+    old = clock.now - 10**9  # captured a second ago; the vision deadline is 200 ms
+    plan = pipeline.process([frame(0, old, 40)], None, None)
+    assert plan.stale and pipeline.frames_skipped == 1 and pipeline.frames_processed == 0
+    assert pipeline.broker.next(clock.now).status is TickStatus.FALLBACK
