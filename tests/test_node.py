@@ -143,11 +143,12 @@ def test_memory_stays_bounded_over_repeated_bursts(patient_node):
         node.health(until=lambda h: h["cameras"]["front"]["last_seq"] == seqs[-1] and quiescent(h))
         rss.append(node.health(timeout_s=3.0)["rss_bytes"])
     print(f"node rss after each burst (MiB): {[round(r / 2**20, 1) for r in rss]}")
-    # The allocator's footprint wobbles by several MB from one sample to the next (freed message buffers are
-    # not always returned at once): compare the lower of the last two samples with the lower of the two after
-    # the first burst, which warmed every buffer. A leak of the burst's frames would add ~90 MB per burst.
-    growth = min(rss[-2:]) - min(rss[1:3])
-    assert growth <= 5 * 2**20, [round(r / 2**20, 1) for r in rss]
+    # The allocator's footprint wobbles by up to ~20 MB between samples (freed 0.9 MB message buffers are not
+    # always returned at once; seen: 313, 330, 313, 315, 322, 325 MiB): compare the lowest of the last three
+    # samples with the lowest of the first three. Keeping a burst's frames would add ~90 MB per burst, and
+    # keeping even 10 of its 100 frames ~27 MB over the three later bursts: both fail this bound.
+    growth = min(rss[3:]) - min(rss[:3])
+    assert growth <= 25 * 2**20, [round(r / 2**20, 1) for r in rss]
 
 
 def test_vision_delay_degrades_then_recovers_while_every_tick_is_published(node):
