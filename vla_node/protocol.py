@@ -470,14 +470,19 @@ def encode_action(
     return [ACTION_TOPIC, pack(msg)]
 
 
+def _topic_map(parts: Sequence[Any], topic: bytes, limits: ProtocolLimits, what: str) -> dict:
+    """The map of a two-part [topic, map] message from the node, after checking its shape and topic."""
+    if len(parts) != 2:
+        raise ProtocolError("bad_parts", f"{what} has {len(parts)} parts: expected 2 [topic, map]")
+    got = bytes(_buffer(parts[0], "topic"))
+    if got != topic:
+        raise ProtocolError("unknown_topic", f"topic {got[:80]!r}: expected {topic!r}")
+    return _unpack_map(parts[1], limits.action_codec, what)
+
+
 def decode_action(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOCOL_LIMITS) -> dict:
     """Validate an action message and return its map (lists of floats; extra keys kept)."""
-    if len(parts) != 2:
-        raise ProtocolError("bad_parts", f"action has {len(parts)} parts: expected 2 [topic, map]")
-    topic = bytes(_buffer(parts[0], "topic"))
-    if topic != ACTION_TOPIC:
-        raise ProtocolError("unknown_topic", f"topic {topic[:80]!r}: expected b'action'")
-    msg = _unpack_map(parts[1], limits.action_codec, "action")
+    msg = _topic_map(parts, ACTION_TOPIC, limits, "action")
     _check_keys(msg, _ACTION_KEYS, False, "action")
     _uint(msg, "seq", "action")
     _uint(msg, "stamp_ns", "action")
@@ -524,12 +529,7 @@ def encode_health(fields: Mapping[str, Any], stamp_ns: int | None = None) -> lis
 
 def decode_health(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOCOL_LIMITS) -> dict:
     """Validate a health message and return its map."""
-    if len(parts) != 2:
-        raise ProtocolError("bad_parts", f"health has {len(parts)} parts: expected 2 [topic, map]")
-    topic = bytes(_buffer(parts[0], "topic"))
-    if topic != HEALTH_TOPIC:
-        raise ProtocolError("unknown_topic", f"topic {topic[:80]!r}: expected b'health'")
-    msg = _unpack_map(parts[1], limits.action_codec, "health")
+    msg = _topic_map(parts, HEALTH_TOPIC, limits, "health")
     _check_keys(msg, frozenset({"v", "stamp_ns"}), False, "health")
     _uint(msg, "stamp_ns", "health")
     return msg
