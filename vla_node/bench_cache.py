@@ -1,13 +1,17 @@
 """`vla-node bench cache`: the multi-rate KV cache against full recompute, measured side by side in one run.
 
-    python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype fp32] [--json F]
+    python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype fp32]
+                                   [--weights fp16|fp32] [--json F]
 
 What it measures (same weights, same synthetic 640x480 frame, one process, one thread by default):
   - action_tick_ms, vision_update_ms (full refresh), text_update_ms of MultiRatePolicy with the default
     cache (text bf16, vision int8, action fp32), interleaved round by round with reference_step_ms
     (ReferencePolicy.step, full recompute) so that a load change on a shared machine hits all alike;
   - hf_generate_ms: transformers' LlamaForCausalLM.generate on the same decoder weights and tokens
-    (bench_model.hf_generate_ms, fp32);
+    (bench_model.hf_generate_ms, fp32 compute, its linear weights as ours);
+  - weights: every linear layer's weights fp16 (fbgemm, fp32 compute; the default where fbgemm exists, as in
+    launch/cpu.toml) or fp32, for every policy, the reference and transformers alike; with fp16 weights the
+    fp32-weight action tick and reference step are timed in the same rounds too;
   - kv bytes per partition, and the vision partition's bytes if it were stored in fp16;
   - segmented vs gather attention (action tick and vision update);
   - the INT8 effect: the default cache against the all-fp32 cache over a short sequence;
@@ -36,6 +40,7 @@ from vla_node.bench_model import hf_generate_ms
 from vla_node.kv import KVPartition, VisionMemoryConfig
 from vla_node.kv.vision_config import POLICIES
 from vla_node.model import ModelConfig, build_vla, preset
+from vla_node.model.fp16_weights import fp16_weights_available, use_fp16_weights
 from vla_node.model.vla import VLA
 from vla_node.multirate import CacheConfig, MultiRatePolicy
 from vla_node.reference import ActionChunk, ReferencePolicy
@@ -149,10 +154,15 @@ def vision_fp16_bytes(policy: MultiRatePolicy) -> int:
 # ---------------------------------------------------------------------------------------------- the run
 
 def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path: str | None = None,
-        compute_dtype: str = "fp32", deviation_frames: int = 6, policy_frames: int = 8) -> dict:
+        compute_dtype: str = "fp32", deviation_frames: int = 6, policy_frames: int = 8,
+        weights: str | None = None) -> dict:
     """Measure everything listed in the module docstring; print a table; return (and optionally write) the
     figures as a dict."""
     dtype = choose("compute_dtype", compute_dtype, COMPUTE_DTYPES)
+    if weights is None:
+        weights = "fp16" if fp16_weights_available() and dtype == torch.float32 else "fp32"
+    require(weights == "fp32" or (weights == "fp16" and dtype == torch.float32 and fp16_weights_available()),
+            "weights", weights, "'fp32', or 'fp16' with fp32 compute on an x86 CPU (fbgemm)")
     for key, value, least in (("iters", iters, 1), ("threads", threads, 1), ("deviation_frames", deviation_frames, 2),
                               ("policy_frames", policy_frames, 2)):
         require(isinstance(value, int) and not isinstance(value, bool) and value >= least, key, value,
@@ -160,29 +170,32 @@ def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames)
+        return _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames, weights)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames) -> dict:
+def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames, weights) -> dict:
     started = time.monotonic_ns()
     config = preset(preset_name)
     frames = drive_frames(max(deviation_frames, policy_frames))
     states = ego_states(len(frames), config.state_dim)
     results: dict = {
-        "preset": preset_name, "threads": torch.get_num_threads(), "compute_dtype": compute_dtype,
+        "preset": preset_name, "threads": torch.get_num_threads(), "compute_dtype": compute_dtype, "weights": weights,
         "iters": iters, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
         "default_cache": {"text": CacheConfig().text_dtype, "vision": CacheConfig().vision.storage_dtype,
                           "action": CacheConfig().action_dtype},
     }
-    print(f"bench cache: preset {preset_name}, compute {compute_dtype}, {results['threads']} thread(s), "
+    print(f"bench cache: preset {preset_name}, compute {compute_dtype}, weights {weights}, {results['threads']} thread(s), "
           f"{iters} rounds, {results['machine']}", flush=True)
     base = build_vla(config, seed=0)  # fp32; shared by every fp32 policy (they only read it)
     model = base if dtype == torch.float32 else _converted(base, dtype)
+    if weights == "fp16":
+        model = use_fp16_weights(copy.deepcopy(base))
 
-    results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype))
-    results["int8_effect"] = _int8_effect(config, model, base, frames[:deviation_frames],
+    results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype, weights))
+    exact_model = model if dtype == torch.float32 else base  # fp32 compute with the same weights
+    results["int8_effect"] = _int8_effect(config, model, exact_model, frames[:deviation_frames],
                                           states[:deviation_frames], dtype)
     results["vision_policies"] = _policy_table(config, dtype, frames[:policy_frames], states[:policy_frames])
     results["elapsed_s"] = round((time.monotonic_ns() - started) / 1e9, 1)
@@ -198,8 +211,10 @@ def _converted(model: VLA, dtype: torch.dtype) -> VLA:
     return copy.deepcopy(model).to(dtype)
 
 
-def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
+def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> dict:
     policies = {mode: MultiRatePolicy(model, CacheConfig(attention=mode), dtype) for mode in ("segmented", "gather")}
+    if model is not base:
+        policies["fp32 weights"] = MultiRatePolicy(base, CacheConfig(), dtype)
     reference = ReferencePolicy(model, dtype)
     images = policies["segmented"].prepare_frames([frame])
     for policy in policies.values():  # steady state: text, a frame, a full ring of states
@@ -217,13 +232,17 @@ def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
         "gather_action_tick": lambda: gat.action_tick(state),
         "gather_vision_update": lambda: gat.update_vision(images),
     }
+    if weights == "fp16":  # the same stages with fp32 weights, in the same rounds
+        fp32_weights, fp32_reference = policies["fp32 weights"], ReferencePolicy(base)
+        cases["fp32_weights_action_tick"] = lambda: fp32_weights.action_tick(state)
+        cases["fp32_weights_reference_step"] = lambda: fp32_reference.step([frame], INSTRUCTION, state)
     timing = interleaved_ms(cases, iters)
     for name, t in timing.items():
         print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})",
               flush=True)
-    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION)  # fp32, as transformers loads it
-    print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, fp32)",
-          flush=True)
+    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION, fp16_weights=weights == "fp16")
+    print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, "
+          f"{weights} weights)", flush=True)
     ms = {name: round(t["median"], 2) for name, t in timing.items()}
     kv = seg.kv_bytes()
     fp16 = vision_fp16_bytes(seg)
@@ -235,6 +254,7 @@ def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
         "reference_dtype": "fp32" if dtype == torch.float32 else "bf16",
         "hf_generate_ms": round(hf["median"], 2),
         "hf_dtype": "fp32",  # timed in its own loop (bench_model.hf_generate_ms), right after the rounds
+        "hf_weights": weights,
         "timing_spread_ms": {name: [round(t["min"], 2), round(t["max"], 2)] for name, t in timing.items()},
         "kv_bytes": kv,
         "kv_bytes_total": sum(kv.values()),
@@ -244,6 +264,11 @@ def _stage_timings(config, model, base, frame, state, iters, dtype) -> dict:
         "hf_generate_over_vision_update_plus_action_tick":
             round(hf["median"] / (ms["vision_update"] + ms["action_tick"]), 2),
     }
+    if weights == "fp16":
+        out["fp32_weights"] = {
+            "action_tick_ms": ms["fp32_weights_action_tick"], "reference_step_ms": ms["fp32_weights_reference_step"],
+            "reference_step_over_action_tick":
+                round(ms["fp32_weights_reference_step"] / ms["fp32_weights_action_tick"], 2)}
     out["targets"] = {key: {"target": target, "measured": out[key], "met": out[key] >= target}
                       for key, target in TARGETS.items()}
     out["attention"] = {
@@ -262,7 +287,7 @@ def _int8_effect(config, model, base, frames, states, dtype) -> dict:
     print(f"  int8 effect: default cache vs all-fp32 cache over {len(frames)} frames ...", flush=True)
     runs = run_lockstep({"default": MultiRatePolicy(model, CacheConfig(), dtype),
                          "exact": MultiRatePolicy(base, CacheConfig.exact())}, frames, states)
-    return {"baseline": "all-fp32 cache, fp32 compute",
+    return {"baseline": "all-fp32 cache, fp32 compute, the same weights",
             **action_deviation(runs["default"].chunks, runs["exact"].chunks, config)}
 
 
@@ -333,12 +358,17 @@ def _policy_row(name: str, knobs: str, policy: MultiRatePolicy, seq: SequenceRun
 def _print_summary(r: dict) -> None:
     mib = 2**20
     print()
-    print(f"== multi-rate KV cache, preset {r['preset']}, compute {r['compute_dtype']}, {r['threads']} thread(s) ==")
+    print(f"== multi-rate KV cache, preset {r['preset']}, compute {r['compute_dtype']}, weights {r['weights']}, "
+          f"{r['threads']} thread(s) ==")
     print(f"{'stage':34s} {'median ms':>10s}")
     for key in ("action_tick_ms", "vision_update_ms", "text_update_ms", "reference_step_ms", "hf_generate_ms"):
         print(f"{key:34s} {r[key]:10.1f}")
     for key, t in r["targets"].items():
         print(f"{key:48s} {t['measured']:7.2f}x  (target >= {t['target']:g}: {'met' if t['met'] else 'NOT met'})")
+    if "fp32_weights" in r:
+        f = r["fp32_weights"]
+        print(f"with fp32 weights (same rounds): action tick {f['action_tick_ms']:.1f} ms, reference step "
+              f"{f['reference_step_ms']:.1f} ms, ratio {f['reference_step_over_action_tick']:.2f}x")
     print("kv bytes: " + ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in r["kv_bytes"].items())
           + f"; vision in fp16 would be {r['vision_kv_bytes_fp16_equivalent'] / mib:.3f} MiB "
             f"(int8/fp16 = {r['vision_int8_over_fp16']:.3f})")
@@ -369,9 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--compute-dtype", choices=sorted(COMPUTE_DTYPES), default="fp32")
+    parser.add_argument("--weights", choices=["fp16", "fp32"], default=None,
+                        help="linear weights of every model timed (default: fp16 where fbgemm exists, else fp32)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
-    run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, compute_dtype=args.compute_dtype)
+    run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, compute_dtype=args.compute_dtype,
+        weights=args.weights)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ transformers' `generate` on the same decoder weights and the same input tokens."
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import tempfile
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from vla_node.model import build_vla, preset, save_checkpoint
+from vla_node.model.fp16_weights import use_fp16_weights
 from vla_node.reference import ReferencePolicy
 from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.timing import time_ms
@@ -19,15 +21,19 @@ INSTRUCTION = "keep the lane, follow the car ahead"
 
 
 def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int,
-                   instruction: str = INSTRUCTION) -> dict[str, float]:
+                   instruction: str = INSTRUCTION, fp16_weights: bool = False) -> dict[str, float]:
     """transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix embeddings
-    (text, vision, state), then H*D new tokens, greedy, its default dynamic cache."""
+    (text, vision, state), then H*D new tokens, greedy, its default dynamic cache. `model` is fp32; with
+    fp16_weights both transformers' decoder and the model computing the prefix get fp16 weights (the same
+    swap as ours), so that the comparison is at one precision."""
     import transformers
 
     c = model.config
     with tempfile.TemporaryDirectory() as tmp:
         path = save_checkpoint(model, tmp)
         hf = transformers.LlamaForCausalLM.from_pretrained(str(path / "decoder"), dtype=torch.float32).eval()
+    if fp16_weights:
+        model, hf = use_fp16_weights(copy.deepcopy(model)), use_fp16_weights(hf)
     from vla_node.model.tokenizer import encode
 
     ids = torch.tensor(encode(instruction, c.max_text_tokens))

@@ -32,6 +32,7 @@ class ModelSection:
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
+    weights: str = "fp32"  # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU)
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N
     backend: str = "torch"  # torch (the only backend of this release)
     threads: int = 1  # torch intra-op threads; 0 = torch's default
@@ -42,6 +43,14 @@ class ModelSection:
         if self.checkpoint is None:
             choose("model.preset", self.preset, PRESETS)
         require(self.dtype in ("fp32", "bf16", "fp16"), "model.dtype", self.dtype, "fp32, bf16 or fp16")
+        require(self.weights in ("fp32", "fp16"), "model.weights", self.weights, "'fp32' or 'fp16'")
+        if self.weights == "fp16":
+            from vla_node.model.fp16_weights import fp16_weights_available
+
+            require(self.dtype == "fp32" and self.device == "cpu", "model.weights", self.weights,
+                    f"'fp32' with dtype {self.dtype!r} on {self.device!r} (fp16 weights take fp32 compute on the CPU)")
+            require(fp16_weights_available(), "model.weights", self.weights,
+                    "'fp32' here: fp16 weights need torch's fbgemm backend (x86-64 CPUs)")
         require(self.backend == "torch", "model.backend", self.backend, "'torch'")
         require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                 "model.device", self.device, "'cpu', 'cuda' or 'cuda:N'")

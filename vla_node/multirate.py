@@ -27,6 +27,7 @@ import torch
 
 from vla_node.kv import GatherWorkspace, KVPartition, PartitionSpec, Segment, VisionMemory, VisionMemoryConfig
 from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
+from vla_node.kv.prefix import PrefixBuffer
 from vla_node.model.action_head import ActionBins
 from vla_node.model.tokenizer import encode
 from vla_node.model.vision_cache import FrameTokenCache, VisionStageAborted, VisionTokenCache
@@ -75,6 +76,9 @@ class CacheConfig:
     action_dtype: str = "fp32"
     vision: VisionMemoryConfig = field(default_factory=VisionMemoryConfig)
     attention: Literal["segmented", "gather"] = "segmented"
+    # the tick's text + vision prefix read once per commit into one buffer (kv/prefix.py); not with the
+    # policies that track attention importance (h2o, quota, tiered), which need per-partition attention
+    tick_prefix: bool = True
 
     def __post_init__(self) -> None:
         for key in ("text_dtype", "action_dtype"):
@@ -82,6 +86,7 @@ class CacheConfig:
             require(value in ("fp32", "bf16", "fp16", "int8"), f"cache.{key}", value, "fp32, bf16, fp16 or int8")
         require(self.attention in ("segmented", "gather"), "cache.attention", self.attention,
                 "'segmented' (log-sum-exp merge) or 'gather'")
+        require(isinstance(self.tick_prefix, bool), "cache.tick_prefix", self.tick_prefix, "true or false")
 
     @staticmethod
     def exact() -> "CacheConfig":
@@ -144,6 +149,11 @@ class MultiRatePolicy:
         self.state_count = 0
         self._frame_ids: list[int] = []  # frames in the vision memory, oldest first (their slot is id % W)
         self._track_importance = vcfg.policy in IMPORTANCE_POLICIES
+        self._prefix = None
+        if cache.tick_prefix and not self._track_importance:
+            prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
+            self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots,
+                                        max(1 + c.action_tokens, c.state_slots), dtype)
         reuse = self.reuse_config
         self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype,
                                             drift_threshold=reuse.tower_drift_threshold)
@@ -182,13 +192,13 @@ class MultiRatePolicy:
             return gather_attention(q, segments, self._workspace), None
         return segmented_attention(q, segments)
 
-    def _run_block(self, x: torch.Tensor, positions: torch.Tensor, prefix: Callable[[int], list[Segment]],
-                   self_mask: torch.Tensor | None, out_k: torch.Tensor | None, out_v: torch.Tensor | None,
-                   check: Check | None, importance: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Run a block of n tokens through the decoder over cached prefix segments plus itself.
+    def _run_block(self, x: torch.Tensor, positions: torch.Tensor, attend: Callable, out_k: torch.Tensor | None,
+                   out_v: torch.Tensor | None, check: Check | None) -> torch.Tensor:
+        """Run a block of n tokens through the decoder; attend(layer, q, k, v) -> [heads, n, hd] is its attention
+        (over_segments or over_prefix) given the block's own q [heads, n, hd], k and v [KV, n, hd].
 
-        x [n, hidden]; self_mask [n, n] bool (None = all); out_k/out_v [L, KV, n, hd] receive the block's K/V.
-        Checks the budget between layers. Returns the final hidden states [n, hidden]."""
+        x [n, hidden]; out_k/out_v [L, KV, n, hd] receive the block's K/V. Checks the budget between layers.
+        Returns the final hidden states [n, hidden]."""
         cos, sin = self.model.decoder.rope(positions, x.dtype)
         n_layers = len(self.model.decoder.model.layers)
         for i, layer in enumerate(self.model.decoder.model.layers):
@@ -198,14 +208,29 @@ class MultiRatePolicy:
             if out_k is not None:
                 out_k[i].copy_(k)
                 out_v[i].copy_(v)
-            segments = prefix(i)
-            own = Segment(k, v, self_mask)
-            attn, lse = self._attend(q, [*segments, own])
+            x = layer.finish(x, attend(i, q, k, v))
+        return x
+
+    def _over_segments(self, prefix: Callable[[int], list[Segment]], self_mask: torch.Tensor | None,
+                       importance: list[torch.Tensor] | None = None) -> Callable:
+        """Attention over the cached prefix segments plus the block itself (self_mask [n, n] bool, None = all);
+        with `importance`, the attention mass each vision slot received is added to it."""
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            segments = prefix(layer)
+            attn, lse = self._attend(q, [*segments, Segment(k, v, self_mask)])
             if importance is not None and lse is not None:
                 for imp, seg in zip(importance, segments[1:]):  # segments 1.. are the vision memory's partitions
                     imp += attention_mass(q, seg, lse)
-            x = layer.finish(x, attn)
-        return x
+            return attn
+
+        return attend
+
+    def _over_prefix(self, states: bool) -> Callable:
+        """Attention over the prefix buffer, the state ring when `states`, and the block (its masks set_block'ed)."""
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self._prefix.attend(layer, q, k, v, self._segment(self.action, layer) if states else None)
+
+        return attend
 
     def _text_prefix(self, layer: int) -> list[Segment]:
         return [self._segment(self.text, layer)]
@@ -225,7 +250,8 @@ class MultiRatePolicy:
         n = len(ids)
         k_text, v_text = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         x = self.model.embed_text(torch.tensor(ids))
-        self._run_block(x, torch.arange(n), lambda layer: [], self._causal[:n, :n], k_text, v_text, check)
+        self._run_block(x, torch.arange(n), self._over_segments(lambda layer: [], self._causal[:n, :n]), k_text, v_text,
+                        check)
         staged_text = lambda layer: [Segment(k_text[layer], v_text[layer], None)]  # noqa: E731
         # frames, each over the new text and itself
         frames = []
@@ -235,7 +261,7 @@ class MultiRatePolicy:
             k_f = self._stage_k[:, :, offset : offset + c.tokens_per_frame]
             v_f = self._stage_v[:, :, offset : offset + c.tokens_per_frame]
             positions = torch.tensor(c.vision_positions(slot))
-            self._run_block(self._frame_embeds[slot], positions, staged_text, None, k_f, v_f, check)
+            self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f, check)
             frames.append((frame_id, k_f, v_f, positions))
             offset += c.tokens_per_frame
         # commit: nothing above touched the cache
@@ -329,7 +355,7 @@ class MultiRatePolicy:
         positions = torch.tensor(c.vision_positions(slot))
         k_f = self._stage_k[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
         v_f = self._stage_v[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
-        self._run_block(embeds, positions, self._text_prefix, None, k_f, v_f, check)
+        self._run_block(embeds, positions, self._over_segments(self._text_prefix, None), k_f, v_f, check)
         # commit
         admission = self.vision.admit_frame(frame_id, k_f, v_f, positions, scene_cut=scene_cut)
         self._token_slots.copy_(admission.slots)
@@ -342,6 +368,8 @@ class MultiRatePolicy:
         """Recompute every stored state token (each attends to text, vision and itself); not abortable:
         it is a handful of tokens and runs right after a commit."""
         c = self.config
+        if self._prefix is not None:  # every commit of text or vision ends here: the tick's prefix is read anew
+            self._prefix.load(self._vision_prefix)
         valid = self.action.valid.nonzero().flatten()
         if valid.numel() == 0:
             return
@@ -349,7 +377,12 @@ class MultiRatePolicy:
         k_s = self._stage_k[:, :, -c.state_slots :][:, :, :n]
         v_s = self._stage_v[:, :, -c.state_slots :][:, :, :n]
         positions = c.state_base + valid
-        self._run_block(self._state_embeds[valid], positions, self._vision_prefix, self._eye[:n, :n], k_s, v_s, None)
+        if self._prefix is not None:
+            self._prefix.set_block(None, self._eye[:n, :n], n)
+            attend = self._over_prefix(states=False)
+        else:
+            attend = self._over_segments(self._vision_prefix, self._eye[:n, :n])
+        self._run_block(self._state_embeds[valid], positions, attend, k_s, v_s, None)
         self.action.write(valid, k_s, v_s, positions, 0)
 
     @on_device
@@ -370,7 +403,7 @@ class MultiRatePolicy:
             bins, k_s, v_s = self._decode_tick(x, position, check)
         else:
             k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
-            self._run_block(x, position, self._vision_prefix, None, k_s, v_s, check)
+            self._run_block(x, position, self._over_segments(self._vision_prefix, None), k_s, v_s, check)
 
             def prefix(layer: int) -> list[Segment]:
                 old = self._segment(self.action, layer)
@@ -404,7 +437,12 @@ class MultiRatePolicy:
         n = 1 + c.action_tokens
         k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         importance = self._importance if self._track_importance else None
-        h = self._run_block(x, self._tick_positions, prefix, self._tick_mask, k, v, check, importance)
+        if self._prefix is not None:
+            self._prefix.set_block(self._old_states, self._tick_mask, n)
+            attend = self._over_prefix(states=True)
+        else:
+            attend = self._over_segments(prefix, self._tick_mask, importance)
+        h = self._run_block(x, self._tick_positions, attend, k, v, check)
         self._logits.copy_(m.decoder.logits(h[1:]))
         return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1]
 
@@ -423,8 +461,8 @@ class MultiRatePolicy:
             def with_queries(layer: int, i: int = i) -> list[Segment]:
                 return [*prefix(layer), Segment(qk[layer, :, :i], qv[layer, :, :i], None)]
 
-            h = self._run_block(x, positions[i : i + 1], with_queries, None, qk[:, :, i : i + 1], qv[:, :, i : i + 1],
-                                check, importance)
+            h = self._run_block(x, positions[i : i + 1], self._over_segments(with_queries, None, importance),
+                                qk[:, :, i : i + 1], qv[:, :, i : i + 1], check)
             self._logits[i].copy_(m.decoder.logits(h)[0])
             bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
         return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]
@@ -437,4 +475,5 @@ class MultiRatePolicy:
     def storage_tensors(self) -> list[torch.Tensor]:
         """Every preallocated tensor of the cache (for the no-allocation-in-steady-state checks)."""
         return [*self.text.storage_tensors(), *self.vision.storage_tensors(), *self.action.storage_tensors(),
-                self._stage_k, self._stage_v, self._query_k, self._query_v]
+                self._stage_k, self._stage_v, self._query_k, self._query_v,
+                *([] if self._prefix is None else [self._prefix.k, self._prefix.v, self._prefix.bias])]

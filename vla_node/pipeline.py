@@ -18,6 +18,7 @@ import torch
 
 from vla_node.config import NodeConfig
 from vla_node.model import build_vla, load_checkpoint, preset
+from vla_node.model.fp16_weights import use_fp16_weights
 from vla_node.multirate import MultiRatePolicy, StageAborted
 from vla_node.protocol import Frame
 from vla_node.reuse import ReuseGate
@@ -68,6 +69,11 @@ class TestDelay:
 
 
 def load_model(config: NodeConfig, preset_name: str | None = None):
+    model = _build_model(config, preset_name)
+    return use_fp16_weights(model) if config.model.weights == "fp16" else model
+
+
+def _build_model(config: NodeConfig, preset_name: str | None):
     section = config.model
     if preset_name is not None:
         return build_vla(preset(preset_name), seed=section.seed)

@@ -37,6 +37,13 @@ class SiglipEmbeddings(nn.Module):
         return x + self.position_embedding.weight
 
 
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention q [..., Tq, hd] over k, v [..., T, hd] -> [..., Tq, hd], softmax in fp32. Two matmuls
+    and a softmax: on a CPU about twice as fast as torch's SDPA at the tower's shapes (196 tokens, hd 64)."""
+    logits = torch.matmul(q, k.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5)  # [..., Tq, T]
+    return torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
+
+
 class SiglipAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -54,7 +61,7 @@ class SiglipAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, heads, Tq, hd] over k, v [N, heads, T, hd] -> [N, Tq, W] (after out_proj)."""
-        out = F.scaled_dot_product_attention(q, k, v)  # [N, heads, Tq, hd]
+        out = softmax_attention(q, k, v)  # [N, heads, Tq, hd]
         n, _, tq, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(n, tq, -1))  # -> [N, Tq, W]
 

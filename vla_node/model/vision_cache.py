@@ -27,9 +27,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from vla_node.model.vision import VisionTower
+from vla_node.model.vision import VisionTower, softmax_attention
 
 Check = Callable[[float], bool]  # called with the fraction done; False = stop now
 
@@ -150,10 +149,10 @@ class VisionTokenCache:
             sx[rows] = xr
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
         if full or self.attend_all:
-            attn = F.scaled_dot_product_attention(sq, sk, sv)  # [H, T, hd]
+            attn = softmax_attention(sq, sk, sv)  # [H, T, hd]
             sa.copy_(a.out_proj(attn.transpose(0, 1).reshape(T, W)))  # [H, T, hd] -> [T, W]
         else:
-            attn = F.scaled_dot_product_attention(q, sk, sv)  # [H, n, hd]
+            attn = softmax_attention(q, sk, sv)  # [H, n, hd]
             sa.copy_(live["attn_out"][i])
             sa[rows] = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
         x.add_(sa)

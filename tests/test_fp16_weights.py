@@ -1,0 +1,63 @@
+"""FP16 weights with FP32 compute (fbgemm): exact against fp16-rounded weights, and the cache stays exact."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vla_node.config import ModelSection
+from vla_node.model import build_vla, preset
+from vla_node.model.fp16_weights import Fp16WeightLinear, fp16_weights_available, use_fp16_weights
+from vla_node.multirate import CacheConfig, MultiRatePolicy
+from vla_node.reference import ReferencePolicy
+from vla_node.validate import ConfigError
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not fp16_weights_available(), reason="fbgemm (x86-64) is not in this torch")]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(24,), (5, 24), (2, 3, 24)])
+def test_linear_equals_fp32_compute_on_fp16_rounded_weights(bias, shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(shape)
+    expected = F.linear(x, linear.weight.half().float(), linear.bias)
+    got = Fp16WeightLinear(linear)(x)
+    assert got.shape == (*shape[:-1], 40) and got.dtype == torch.float32
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_swap_replaces_every_linear_and_keeps_the_cache_exact():
+    """With fp16 weights on both sides, the incremental path still equals the reference (the weights are the
+    model; the cache's exactness does not depend on them); against fp32 weights the logits move a little."""
+    config = preset("tiny").replace(vision_frames=2)
+    model = use_fp16_weights(build_vla(config, seed=3))
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    reference, policy = ReferencePolicy(model), MultiRatePolicy(model, CacheConfig.exact())
+    fp32 = ReferencePolicy(build_vla(config, seed=3))
+    rng = np.random.default_rng(0)
+    policy.update_text("follow the lane")
+    for _ in range(3):
+        frame = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        state = rng.normal(size=config.state_dim).astype(np.float32)
+        policy.update_vision(policy.prepare_frames([frame]))
+        ours, theirs = policy.action_tick(state), reference.step([frame], "follow the lane", state)
+        assert (ours.logits - theirs.logits).abs().max().item() <= 1e-4
+        np.testing.assert_array_equal(ours.bins, theirs.bins)
+        full = fp32.step([frame], "follow the lane", state).logits
+        rel = torch.linalg.vector_norm(theirs.logits - full) / torch.linalg.vector_norm(full)
+        assert 0 < rel.item() < 1e-2
+
+
+def test_swap_refuses_a_model_that_is_not_fp32():
+    with pytest.raises(ValueError, match="fp32 CPU model"):
+        use_fp16_weights(build_vla(preset("tiny")).to(torch.bfloat16))
+
+
+def test_config_names_the_key_and_what_is_allowed():
+    assert ModelSection(weights="fp16").weights == "fp16"
+    with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32' or 'fp16'"):
+        ModelSection(weights="int4")
+    with pytest.raises(ConfigError, match=r"model.weights = 'fp16': expected 'fp32' with dtype 'bf16'"):
+        ModelSection(weights="fp16", dtype="bf16")

@@ -1,0 +1,84 @@
+"""The action tick's prefix, read once per commit instead of once per tick.
+
+Between two commits of the text or the vision memory, every action tick attends to the same text and vision
+K/V. Reading them per tick means a read (and INT8 dequantization) and a partial attention per partition, per
+layer, per tick: on a CPU that Python and memory traffic costs as much as a third of the tick. PrefixBuffer
+copies the prefix partitions (already dequantized by their `read`) once into one buffer per layer, with room
+behind it for the state ring and the block being decoded; a tick then attends with one buffer_attention call
+per layer.
+
+Layout per layer, over `total` = P + S + N slots:
+    [0, P)          the prefix segments, in order (text capacity, then every vision partition's capacity)
+    [P, P + S)      the state ring, copied per layer by the block (S slots, fp32 or converted)
+    [P + S, total)  the block being decoded (up to N tokens)
+bias [N, total] fp32: 0 (or a segment's log(count)) where a row may attend, -inf where it may not.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from vla_node.kv.attention import Segment, buffer_attention, fill_bias
+
+
+class PrefixBuffer:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, prefix_tokens: int, state_slots: int,
+                 block_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.prefix_tokens, self.state_slots, self.block_tokens = prefix_tokens, state_slots, block_tokens
+        total = prefix_tokens + state_slots + block_tokens
+        self.k = torch.zeros(n_layers, n_kv_heads, total, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.bias = torch.zeros(block_tokens, total, dtype=torch.float32, device=device)
+        self._block = 0  # tokens in the current block (set_block)
+
+    def load(self, segments: Callable[[int], Sequence[Segment]]) -> None:
+        """Copy every layer's prefix segments (k, v [KV, L_i, hd]; mask and bias [L_i] or None) into [0, P)."""
+        for layer in range(self.k.shape[0]):
+            offset = 0
+            for seg in segments(layer):
+                length = seg.k.shape[1]
+                end = offset + length
+                if end > self.prefix_tokens:
+                    raise ValueError(f"prefix segments hold more than the {self.prefix_tokens} tokens allocated")
+                self.k[layer, :, offset:end].copy_(seg.k)
+                self.v[layer, :, offset:end].copy_(seg.v)
+                if layer == 0:  # validity and biases are per slot, the same for every layer
+                    for name, t in (("mask", seg.mask), ("bias", seg.bias)):
+                        if t is not None and t.dim() != 1:
+                            raise ValueError(f"prefix segment {name} of shape {list(t.shape)}: expected [{length}]")
+                    fill_bias(self.bias[:, offset:end], seg.mask, seg.bias)
+                offset = end
+            if offset != self.prefix_tokens:
+                raise ValueError(f"prefix segments hold {offset} tokens: expected {self.prefix_tokens}")
+
+    def set_block(self, state_mask: torch.Tensor | None, block_mask: torch.Tensor | None, n: int) -> None:
+        """The next block's n rows: state_mask bool [n, S] (None = no state visible), block_mask bool [n, n]
+        (None = all)."""
+        if not 0 < n <= self.block_tokens:
+            raise ValueError(f"block of {n} tokens: expected 1..{self.block_tokens}")
+        p, s = self.prefix_tokens, self.state_slots
+        self._block = n
+        states = self.bias[:n, p : p + s]
+        if state_mask is None:
+            states.fill_(float("-inf"))
+        else:
+            fill_bias(states, state_mask, None)
+        fill_bias(self.bias[:n, p + s : p + s + n], block_mask, None)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               states: Segment | None) -> torch.Tensor:
+        """q [H, n, hd] of the block over the prefix, the states (their k, v [KV, S, hd]; None = none visible) and
+        the block's own k, v [KV, n, hd]. Returns [H, n, hd]."""
+        n = self._block
+        if q.shape[1] != n or k.shape[1] != n:
+            raise ValueError(f"block of {q.shape[1]} queries, {k.shape[1]} keys: set_block said {n}")
+        p, s = self.prefix_tokens, self.state_slots
+        if states is not None:
+            self.k[layer, :, p : p + s].copy_(states.k)
+            self.v[layer, :, p : p + s].copy_(states.v)
+        end = p + s + n
+        self.k[layer, :, p + s : end].copy_(k)
+        self.v[layer, :, p + s : end].copy_(v)
+        return buffer_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self.bias[:n, :end])
