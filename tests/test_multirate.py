@@ -23,9 +23,10 @@ def frames_and_states(n, seed=0):
 
 @pytest.mark.parametrize("decode", ["parallel", "autoregressive"])
 @pytest.mark.parametrize("attention", ["segmented", "gather"])
-def test_incremental_equals_reference_with_instruction_change(decode, attention):
+@pytest.mark.parametrize("tick_prefix", [True, False])
+def test_incremental_equals_reference_with_instruction_change(decode, attention, tick_prefix):
     config = preset("tiny").replace(vision_frames=3, state_slots=2, action_decode=decode)
-    cache = CacheConfig(text_dtype="fp32", action_dtype="fp32", attention=attention,
+    cache = CacheConfig(text_dtype="fp32", action_dtype="fp32", attention=attention, tick_prefix=tick_prefix,
                         vision=VisionMemoryConfig(storage_dtype="fp32"))
     reference = ReferencePolicy(build_vla(config, seed=5))
     policy = MultiRatePolicy(build_vla(config, seed=5), cache)
