@@ -126,7 +126,7 @@ class MultiRatePolicy:
         self._read = {p.name: self._read_buffers(p) for p in (self.text, self.action)}
         # staging: the K/V a stage computes, laid out text | frames | states, committed at the end
         stage_tokens = max(c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
-                           1 + c.action_tokens)
+                           c.state_slots + c.action_tokens)
         self._stage_k = torch.zeros(L, KV, stage_tokens, hd, dtype=dtype)
         self._stage_v = torch.zeros_like(self._stage_k)
         self._query_k = torch.zeros(L, KV, c.action_tokens, hd, dtype=dtype)  # autoregressive query K/V
@@ -152,8 +152,15 @@ class MultiRatePolicy:
         self._prefix = None
         if cache.tick_prefix and not self._track_importance:
             prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
-            self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots,
-                                        max(1 + c.action_tokens, c.state_slots), dtype)
+            self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype)
+        # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
+        # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
+        # _refresh_states recomputes them right after the commit.
+        self._fuse_states = self._prefix is not None and c.action_decode == "parallel"
+        self._states_stale = False
+        # per count m of other valid states, the fused block's mask [1 + m + H*D, same]: the new state and each
+        # recomputed state see themselves, the queries every state and, causally, each other
+        self._fused_masks = [self._fused_mask(m, c.action_tokens) for m in range(c.state_slots)]
         reuse = self.reuse_config
         self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype,
                                             drift_threshold=reuse.tower_drift_threshold)
@@ -174,6 +181,15 @@ class MultiRatePolicy:
         self._tick_mask[0, 0] = True
         self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
+
+    @staticmethod
+    def _fused_mask(m: int, queries: int) -> torch.Tensor:
+        n = 1 + m + queries
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[: 1 + m, : 1 + m] = torch.eye(1 + m, dtype=torch.bool)
+        mask[1 + m :, : 1 + m] = True
+        mask[1 + m :, 1 + m :] = torch.ones(queries, queries, dtype=torch.bool).tril()
+        return mask
 
     def _read_buffers(self, p: KVPartition):
         if not p.spec.quantized and p.spec.torch_dtype == self.dtype:
@@ -271,7 +287,7 @@ class MultiRatePolicy:
         for frame_id, k_f, v_f, positions in frames:
             self.vision.admit_frame(frame_id, k_f, v_f, positions)
         self.text_ids, self.instruction = ids, instruction
-        self._refresh_states()
+        self._after_commit()
 
     def prepare_frames(self, frames: list[np.ndarray]) -> np.ndarray:
         """Camera frames (any size) -> uint8 [C, S, S, 3] at the model's input size."""
@@ -345,7 +361,7 @@ class MultiRatePolicy:
             self.vision.partitions[0].write(self._token_slots, frames.staged_k, frames.staged_v, positions, frame_id)
         self._frame_embeds[slot].copy_(x)
         frames.commit()
-        self._refresh_states()
+        self._after_commit()
         return math.ceil(sum(frames.staged_rows) / len(frames.staged_rows))
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
@@ -361,15 +377,23 @@ class MultiRatePolicy:
         self._token_slots.copy_(admission.slots)
         self._frame_embeds[slot].copy_(embeds)
         self._frame_ids = [f for f in self._frame_ids if f > frame_id - c.vision_frames and not scene_cut] + [frame_id]
-        self._refresh_states()
+        self._after_commit()
         return frame_id
+
+    def _after_commit(self) -> None:
+        """Every commit of text or vision ends here: the tick's prefix is read anew, and the stored states
+        (they attend to text and vision) are recomputed now or marked for the next tick's block."""
+        if self._prefix is not None:
+            self._prefix.load(self._vision_prefix)
+        if self._fuse_states:
+            self._states_stale = True
+        else:
+            self._refresh_states()
 
     def _refresh_states(self) -> None:
         """Recompute every stored state token (each attends to text, vision and itself); not abortable:
         it is a handful of tokens and runs right after a commit."""
         c = self.config
-        if self._prefix is not None:  # every commit of text or vision ends here: the tick's prefix is read anew
-            self._prefix.load(self._vision_prefix)
         valid = self.action.valid.nonzero().flatten()
         if valid.numel() == 0:
             return
@@ -399,8 +423,9 @@ class MultiRatePolicy:
         self._others[slot] = False  # the slot being replaced in the ring
         for imp in self._importance:
             imp.zero_()
+        refreshed = None
         if c.action_decode == "parallel":
-            bins, k_s, v_s = self._decode_tick(x, position, check)
+            bins, k_s, v_s, refreshed = self._decode_tick(x, position, check)
         else:
             k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
             self._run_block(x, position, self._over_segments(self._vision_prefix, None), k_s, v_s, check)
@@ -412,6 +437,9 @@ class MultiRatePolicy:
 
             bins = self._decode_queries(prefix, check)
         # commit
+        if refreshed is not None:  # the other states, recomputed in the tick's block
+            self.action.write(*refreshed, 0)
+            self._states_stale = False
         self.action.write(torch.tensor([slot]), k_s, v_s, position, 0)
         self._state_embeds[slot].copy_(x[0])
         self.state_count += 1
@@ -424,8 +452,12 @@ class MultiRatePolicy:
     def _decode_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
         """Parallel decoding: the state token and the H*D queries as one block, so a tick reads the weights
         once. Row 0 (the state) attends to text, vision and itself; the queries also to the other states,
-        the new state and, causally, each other. Returns (bins [H, D], the state's K and V [L, KV, 1, hd])."""
+        the new state and, causally, each other. When the stored states are stale (a commit since the last
+        tick), they are recomputed in the same block (_fused_tick). Returns (bins [H, D], the state's K and V
+        [L, KV, 1, hd], the recomputed states' (slots, K, V, positions) to write, or None)."""
         c, m = self.config, self.model
+        if self._states_stale:
+            return self._fused_tick(x_state, position, check)
         x = torch.cat([x_state, m.embed_text(m.query_ids(None))])  # [1 + H*D, hidden]
         self._tick_positions[0] = position[0]
         self._old_states[1:] = self._others  # [1 + H*D, K]: the state row sees no other state
@@ -444,7 +476,24 @@ class MultiRatePolicy:
             attend = self._over_segments(prefix, self._tick_mask, importance)
         h = self._run_block(x, self._tick_positions, attend, k, v, check)
         self._logits.copy_(m.decoder.logits(h[1:]))
-        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1]
+        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1], None
+
+    def _fused_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
+        """_decode_tick's block with the m other stored states recomputed in it: rows new state | those states |
+        queries, over the prefix buffer (the stale copies in the ring are not seen)."""
+        c, m = self.config, self.model
+        old = self._others.nonzero().flatten()  # [m] ring slots
+        n_old = old.numel()
+        x = torch.cat([x_state, self._state_embeds[old], m.embed_text(m.query_ids(None))])  # [1 + m + H*D, hidden]
+        old_positions = c.state_base + old
+        positions = torch.cat([position, old_positions, self._tick_positions[1:]])
+        n = 1 + n_old + c.action_tokens
+        k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
+        self._prefix.set_block(None, self._fused_masks[n_old], n)
+        h = self._run_block(x, positions, self._over_prefix(states=False), k, v, check)
+        self._logits.copy_(m.decoder.logits(h[1 + n_old :]))
+        refreshed = (old, k[:, :, 1 : 1 + n_old], v[:, :, 1 : 1 + n_old], old_positions)
+        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1], refreshed
 
     def _decode_queries(self, prefix: Callable[[int], list[Segment]], check: Check | None) -> np.ndarray:
         """Autoregressive decoding of the H*D action queries over the prefix (the state already staged);
