@@ -66,6 +66,32 @@ def test_aborted_stages_leave_the_cache_unchanged():
         assert (policy.frame_count, policy.state_count, policy._frame_ids) == counters
 
 
+def test_stale_states_survive_an_aborted_tick_and_the_next_tick_recomputes_them():
+    """After a vision commit the stored states are stale until the next tick recomputes them in its block; a tick
+    stopped at a budget check changes nothing, and the following one still equals the reference."""
+    config = preset("tiny").replace(vision_frames=1, state_slots=3)
+    policy = MultiRatePolicy(build_vla(config, seed=4), CacheConfig.exact())
+    reference = ReferencePolicy(build_vla(config, seed=4))
+    policy.update_text("go")
+    steps = list(frames_and_states(4, seed=6))
+    for frame, state in steps[:3]:
+        policy.update_vision(policy.prepare_frames([frame]))
+        policy.action_tick(state)
+        reference.step([frame], "go", state)
+    frame, state = steps[3]
+    policy.update_vision(policy.prepare_frames([frame]))
+    assert policy._states_stale
+    ring = [t.clone() for t in policy.action.storage_tensors()]
+    budget = iter([True, False])
+    with pytest.raises(StageAborted):
+        policy.action_tick(state, lambda fraction: next(budget))
+    assert policy._states_stale and all(torch.equal(a, b) for a, b in zip(ring, policy.action.storage_tensors()))
+    ours, theirs = policy.action_tick(state), reference.step([frame], "go", state)
+    assert not policy._states_stale
+    assert (ours.logits - theirs.logits).abs().max().item() <= 1e-4
+    np.testing.assert_array_equal(ours.bins, theirs.bins)
+
+
 def test_partial_refresh_of_every_token_equals_full_refresh():
     config = preset("tiny").replace(vision_frames=1)
     full = MultiRatePolicy(build_vla(config, seed=2), CacheConfig.exact())

@@ -2,7 +2,7 @@
 
     python -m vla_node.bench_reuse DRIVE [DRIVE ...] [--thresholds 0 2 4 8 16] [--rates native 10]
                                    [--max-frames 12] [--preset small] [--cache default] [--pixel-floor]
-                                   [--threads 1] [--json F]
+                                   [--weights fp16|fp32] [--threads 1] [--json F]
 
 DRIVE: an mp4 (or any video PyAV reads) or a drive (native vla-node MCAP, ROS 2 bag; its first camera).
 
@@ -62,6 +62,7 @@ import torch
 
 from vla_node.drive import open_drive
 from vla_node.model import ModelConfig, build_vla, preset as model_preset
+from vla_node.model.fp16_weights import fp16_weights_available, use_fp16_weights
 from vla_node.model.vla import preprocess_frame
 from vla_node.multirate import CacheConfig, MultiRatePolicy, VisionUpdate
 from vla_node.progress import Progress
@@ -223,11 +224,13 @@ class ReuseRun:
 
 def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: ModelConfig, *, seed: int = 0,
                  cache: str = "default", pixel_floor: bool = False, label: str = "",
-                 progress: bool = True) -> dict[float, dict]:
+                 progress: bool = True, weights: str = "fp32") -> dict[float, dict]:
     """One pass over `frames` (uint8 [S, S, 3] at the model's size): reference, full refresh and one reuse run per
     threshold, side by side. Returns {threshold: figures} (see the module docstring)."""
     cache_config = CACHES[cache]()
-    model = build_vla(config, seed=seed)  # fp32; shared by every policy (they only read it)
+    model = build_vla(config, seed=seed)  # fp32 compute; shared by every policy (they only read it)
+    if weights == "fp16":
+        model = use_fp16_weights(model)  # the reference too: every deviation is at one precision
     reference = ReferencePolicy(model)
     full = MultiRatePolicy(model, cache_config)
     span = np.asarray(config.action_high, np.float64) - np.asarray(config.action_low, np.float64)  # [D]
@@ -282,6 +285,7 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
             "threshold": float(threshold),
             "frames": len(frames),
             "cache": cache,
+            "weights": weights,
             "reuse_ratio_mean": float(ratios.mean()),
             "reuse_ratio_p10": float(np.percentile(ratios, 10)),
             "full_refreshes": run.full_refreshes,
@@ -304,7 +308,7 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
 def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         rates: Sequence[str | float] = DEFAULT_RATES, max_frames: int | None = DEFAULT_MAX_FRAMES,
         preset: str = "small", threads: int = 1, json_path: str | None = None, cache: str = "default",
-        pixel_floor: bool = False, seed: int = 0, progress: bool = True) -> dict:
+        pixel_floor: bool = False, seed: int = 0, progress: bool = True, weights: str | None = None) -> dict:
     """Measure every clip at every rate and threshold; print a table; return (and optionally write) the figures
     as {clip file name: {setting: figures}}, settings named by `setting_key`."""
     require(isinstance(drives, (list, tuple)) and len(drives) > 0 and all(isinstance(d, (str, Path)) for d in drives),
@@ -321,12 +325,16 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1, "threads", threads,
             "an integer >= 1")
     require(cache in CACHES, "cache", cache, f"one of {sorted(CACHES)}")
+    if weights is None:
+        weights = "fp16" if fp16_weights_available() else "fp32"
+    require(weights == "fp32" or (weights == "fp16" and fp16_weights_available()), "weights", weights,
+            "'fp32', or 'fp16' on an x86 CPU (fbgemm)")
     config = model_preset(preset)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     started = time.monotonic_ns()
     try:
-        print(f"bench reuse: preset {preset}, cache {cache}, {threads} thread(s), thresholds "
+        print(f"bench reuse: preset {preset}, cache {cache}, weights {weights}, {threads} thread(s), thresholds "
               f"{[float(t) for t in thresholds]}, rates {[rate_label(r) for r in rates]}, max_frames {max_frames}, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}", flush=True)
         results: dict[str, dict[str, dict]] = {}
@@ -336,7 +344,7 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
             for rate in rates:
                 frames = load_frames(drive, rate, max_frames, config.image_size)
                 figures = measure_clip(frames, thresholds, config, seed=seed, cache=cache, pixel_floor=pixel_floor,
-                                       label=f"{clip} {rate_label(rate)}", progress=progress)
+                                       label=f"{clip} {rate_label(rate)}", progress=progress, weights=weights)
                 for threshold, row in figures.items():
                     results[clip][setting_key(threshold, rate)] = {"rate": rate_label(rate), **row}
     finally:
@@ -382,12 +390,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pixel-floor", action="store_true",
                         help="also run the reference on each gate's reference picture (one more reference step per "
                              "threshold and frame)")
+    parser.add_argument("--weights", choices=["fp16", "fp32"], default=None,
+                        help="linear weights of every run, the reference's too (default: fp16 where fbgemm exists, "
+                             "as launch/cpu.toml)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     run(args.drives, thresholds=args.thresholds, rates=args.rates, max_frames=args.max_frames or None,
         preset=args.preset, threads=args.threads, json_path=args.json, cache=args.cache,
-        pixel_floor=args.pixel_floor)
+        pixel_floor=args.pixel_floor, weights=args.weights)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def cmd_bench(args) -> int:
 
         if not args.drives:
             raise ValueError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
-        bench_reuse.run(args.drives, preset=args.preset, threads=args.threads, json_path=args.json)
+        bench_reuse.run(args.drives, preset=args.preset, threads=args.threads, json_path=args.json, weights=args.weights)
     return 0
 
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids OpenMP spin on small CPUs)")
     p.add_argument("--seconds", type=float, default=60.0, help="bench node: run length")
     p.add_argument("--weights", choices=["fp16", "fp32"], default=None,
-                   help="bench cache: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml)")
+                   help="bench cache and reuse: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_bench)
     return parser

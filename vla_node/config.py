@@ -32,7 +32,9 @@ class ModelSection:
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
-    weights: str = "fp32"  # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU)
+    # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | auto (fp16
+    # where that works: fp32 compute on an x86 CPU; else the compute dtype)
+    weights: str = "fp32"
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N
     backend: str = "torch"  # torch (the only backend of this release)
     threads: int = 1  # torch intra-op threads; 0 = torch's default
@@ -43,7 +45,7 @@ class ModelSection:
         if self.checkpoint is None:
             choose("model.preset", self.preset, PRESETS)
         require(self.dtype in ("fp32", "bf16", "fp16"), "model.dtype", self.dtype, "fp32, bf16 or fp16")
-        require(self.weights in ("fp32", "fp16"), "model.weights", self.weights, "'fp32' or 'fp16'")
+        require(self.weights in ("fp32", "fp16", "auto"), "model.weights", self.weights, "'fp32', 'fp16' or 'auto'")
         if self.weights == "fp16":
             from vla_node.model.fp16_weights import fp16_weights_available
 
@@ -57,6 +59,16 @@ class ModelSection:
         require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
         require(self.vision_frames is None or (isinstance(self.vision_frames, int) and self.vision_frames >= 1),
                 "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")
+
+    @property
+    def resolved_weights(self) -> str:
+        """'fp16' or 'fp32': what `weights` means on this machine."""
+        if self.weights != "auto":
+            return self.weights
+        from vla_node.model.fp16_weights import fp16_weights_available
+
+        fp16 = self.dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
+        return "fp16" if fp16 else "fp32"
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

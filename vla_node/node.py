@@ -172,4 +172,5 @@ class Node:
             "rss_bytes": rss_bytes(),
             "model": self.config.model.checkpoint or self.config.model.preset,
             "backend": self.config.model.backend,
+            "weights": self.config.model.resolved_weights,
         }

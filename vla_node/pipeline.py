@@ -70,7 +70,7 @@ class TestDelay:
 
 def load_model(config: NodeConfig, preset_name: str | None = None):
     model = _build_model(config, preset_name)
-    return use_fp16_weights(model) if config.model.weights == "fp16" else model
+    return use_fp16_weights(model) if config.model.resolved_weights == "fp16" else model
 
 
 def _build_model(config: NodeConfig, preset_name: str | None):

@@ -302,7 +302,7 @@ def replay(
     frames = records(result.frames, actions)
     health = receiver.health or {}
     meta = RunMeta(drive=str(reader.path), model=str(health.get("model", config.model.checkpoint or config.model.preset)),
-                   backend=str(health.get("backend", config.model.backend)),
+                   backend=_backend(health, config),
                    control_hz=config.scheduler.control_hz, deadline_ms=deadline_ms, health=health)
     report = build_report(frames, actions, meta)
     json_path, html_path = write_report(report, frames, actions, out)
@@ -354,3 +354,10 @@ def replay_command(args) -> int:
            as_fast_as_possible=args.as_fast_as_possible, loop=args.loop, topic=args.topic, out_dir=args.out,
            progress=not args.no_progress, addresses=addresses or None, warmup_timeout_s=args.warmup_timeout)
     return 0
+
+
+def _backend(health: dict, config) -> str:
+    """'torch' and, where the node says so, its linear weights: 'torch, fp16 weights'."""
+    backend = str(health.get("backend", config.model.backend))
+    weights = health.get("weights")
+    return f"{backend}, {weights} weights" if isinstance(weights, str) else backend
