@@ -177,7 +177,8 @@ def gather_attention(
         ws.v[:, offset:end].copy_(seg.v)
         fill_bias(bias[:, offset:end], seg.mask, seg.bias)
         offset = end
-    return buffer_attention(q, ws.k[:, :total], ws.v[:, :total], bias)
+    may_be_empty = all(seg.mask is not None for seg in segs)  # a segment without a mask is seen by every row
+    return buffer_attention(q, ws.k[:, :total], ws.v[:, :total], bias, check_empty=may_be_empty)
 
 
 def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -192,10 +193,12 @@ def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor |
     return out
 
 
-def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     check_empty: bool = True) -> torch.Tensor:
     """Attention of q [n_heads, q_len, D] over one K/V buffer k, v [n_kv_heads, L, D] with an additive fp32
     bias [q_len, L] (0 = attend, log(count) for merged tokens, -inf = masked). A row that may attend to
-    nothing yields zeros. Returns out [n_heads, q_len, D] in q's dtype.
+    nothing yields zeros (check_empty=False: the caller knows every row attends to something, and the check's
+    pass over the bias is skipped). Returns out [n_heads, q_len, D] in q's dtype.
 
     Two batched matmuls and one softmax, the kv heads never repeated: on a CPU this is about twice as fast
     as torch's SDPA with a mask, and than a log-sum-exp merge over several segments."""
@@ -207,9 +210,10 @@ def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     logits = logits.view(hkv, g, tq, length).mul_(1.0 / math.sqrt(d)).add_(bias)  # [n_kv_heads, g, q_len, L]
     p = torch.softmax(logits, dim=-1).view(hkv, g * tq, length)  # -> [n_kv_heads, g*q_len, L]
     out = torch.matmul(p.to(v.dtype), v).view(hq, tq, d)  # [n_kv_heads, g*q_len, D] -> [n_heads, q_len, D]
-    empty = torch.isneginf(bias).all(dim=-1)  # [q_len]: rows with nothing to attend (softmax gave NaN)
-    if bool(empty.any()):
-        out.masked_fill_(empty[None, :, None], 0.0)
+    if check_empty:
+        empty = torch.isneginf(bias).all(dim=-1)  # [q_len]: rows with nothing to attend (softmax gave NaN)
+        if bool(empty.any()):
+            out.masked_fill_(empty[None, :, None], 0.0)
     return out.to(q.dtype)
 
 

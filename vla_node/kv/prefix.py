@@ -32,6 +32,7 @@ class PrefixBuffer:
         self.v = torch.zeros_like(self.k)
         self.bias = torch.zeros(block_tokens, total, dtype=torch.float32, device=device)
         self._block = 0  # tokens in the current block (set_block)
+        self._may_be_empty = True  # some row of the current block may attend to nothing
 
     def load(self, segments: Callable[[int], Sequence[Segment]]) -> None:
         """Copy every layer's prefix segments (k, v [KV, L_i, hd]; mask and bias [L_i] or None) into [0, P)."""
@@ -66,6 +67,7 @@ class PrefixBuffer:
         else:
             fill_bias(states, state_mask, None)
         fill_bias(self.bias[:n, p + s : p + s + n], block_mask, None)
+        self._may_be_empty = bool(torch.isneginf(self.bias[:n, : p + s + n]).all(dim=-1).any())
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                states: Segment | None) -> torch.Tensor:
@@ -81,4 +83,5 @@ class PrefixBuffer:
         end = p + s + n
         self.k[layer, :, p + s : end].copy_(k)
         self.v[layer, :, p + s : end].copy_(v)
-        return buffer_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self.bias[:n, :end])
+        return buffer_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self.bias[:n, :end],
+                                check_empty=self._may_be_empty)

@@ -133,7 +133,7 @@ class VisionTokenCache:
         n = rows.numel()
         self._staged_rows[camera][i] = n
         full = n == T
-        xr = x if full else x[rows]  # [n, W]
+        xr = x if full else x.index_select(0, rows)  # [n, W]
         sq, sk, sv, sx = st["q"][i], st["k"][i], st["v"][i], st["x_ref"][i]
         h = layer.layer_norm1(xr)
         q = a.q_proj(h).reshape(n, H, hd).transpose(0, 1)  # [n, W] -> [H, n, hd]
@@ -144,9 +144,9 @@ class VisionTokenCache:
         else:
             for buf, new, old in ((sq, q, live["q"][i]), (sk, k, live["k"][i]), (sv, v, live["v"][i])):
                 buf.copy_(old)
-                buf[:, rows] = new
+                buf.index_copy_(1, rows, new)
             sx.copy_(live["x_ref"][i])
-            sx[rows] = xr
+            sx.index_copy_(0, rows, xr)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
         if full or self.attend_all:
             attn = softmax_attention(sq, sk, sv)  # [H, T, hd]
@@ -154,7 +154,7 @@ class VisionTokenCache:
         else:
             attn = softmax_attention(q, sk, sv)  # [H, n, hd]
             sa.copy_(live["attn_out"][i])
-            sa[rows] = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
+            sa.index_copy_(0, rows, a.out_proj(attn.transpose(0, 1).reshape(n, W)))  # [H, n, hd] -> [n, W]
         x.add_(sa)
         if not full and self.drift_threshold is not None:  # the MLP's own gate: its input moved with the attention
             rows = drifted_rows(x, live["mid_ref"][i], rows, self.drift_threshold, self._mask)
@@ -167,9 +167,10 @@ class VisionTokenCache:
             sm.copy_(layer.mlp(layer.layer_norm2(x)))
         else:
             smid.copy_(live["mid_ref"][i])
-            smid[rows] = x[rows]
+            mid = x.index_select(0, rows)  # [n, W]
+            smid.index_copy_(0, rows, mid)
             sm.copy_(live["mlp_out"][i])
-            sm[rows] = layer.mlp(layer.layer_norm2(x[rows]))  # [n, W]
+            sm.index_copy_(0, rows, layer.mlp(layer.layer_norm2(mid)))
         x.add_(sm)
 
     def commit(self) -> None:
@@ -271,18 +272,19 @@ class FrameTokenCache:
                 sx.copy_(xs)
             else:
                 sq.copy_(self.q[i])
-                sq[:, rows] = apply_rope(a.q_proj(h[rows]).reshape(n, H, hd).transpose(0, 1), cos[rows], sin[rows])
+                q = a.q_proj(h.index_select(0, rows)).reshape(n, H, hd).transpose(0, 1)  # [n, H*hd] -> [H, n, hd]
+                sq.index_copy_(1, rows, apply_rope(q, cos.index_select(0, rows), sin.index_select(0, rows)))
                 sx.copy_(self.x_ref[i])
-                sx[rows] = xs[rows]
+                sx.index_copy_(0, rows, xs.index_select(0, rows))
             own = Segment(s["k"][i], s["v"][i], None)
             sa, sm = s["attn_out"][i], s["mlp_out"][i]
             if full or self.attend_all:
                 attn, _ = attend(sq, [text(i), own])  # [H, T, hd]
                 sa.copy_(a.o_proj(attn.transpose(0, 1).reshape(T, H * hd)))  # [H, T, hd] -> [T, H*hd]
             else:
-                attn, _ = attend(sq[:, rows], [text(i), own])  # [H, n, hd]
+                attn, _ = attend(sq.index_select(1, rows), [text(i), own])  # [H, n, hd]
                 sa.copy_(self.attn_out[i])
-                sa[rows] = a.o_proj(attn.transpose(0, 1).reshape(n, H * hd))  # [H, n, hd] -> [n, H*hd]
+                sa.index_copy_(0, rows, a.o_proj(attn.transpose(0, 1).reshape(n, H * hd)))  # [H, n, hd] -> [n, H*hd]
             xs.add_(sa)
             if not full and self.drift_threshold is not None:  # the MLP's own gate
                 rows = drifted_rows(xs, self.mid_ref[i], rows, self.drift_threshold, self._mask)
@@ -294,9 +296,10 @@ class FrameTokenCache:
                 sm.copy_(layer.mlp(layer.post_attention_layernorm(xs)))
             else:
                 smid.copy_(self.mid_ref[i])
-                smid[rows] = xs[rows]
+                mid = xs.index_select(0, rows)  # [n, hidden]
+                smid.index_copy_(0, rows, mid)
                 sm.copy_(self.mlp_out[i])
-                sm[rows] = layer.mlp(layer.post_attention_layernorm(xs[rows]))
+                sm.index_copy_(0, rows, layer.mlp(layer.post_attention_layernorm(mid)))
             xs.add_(sm)
         self._staged, self._staged_context = True, context
 
