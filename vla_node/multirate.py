@@ -6,7 +6,9 @@ budget check that says stop raises StageAborted before anything is committed):
     update_text(instruction)  on an instruction change: recomputes text, then every cached frame and state
                               (they attend to the text) from their stored input embeddings
     update_vision(frames)     per camera frame: vision tower, then the frame's K/V into the vision memory;
-                              then the (short) state partition is recomputed, since it attends to vision
+                              the (short) state partition attends to vision, so it is recomputed too: inside
+                              the next tick's block when it can be (parallel decoding with the prefix buffer,
+                              one pass over the weights for both), else right after the commit
     action_tick(state)        per control decision: appends the state token, decodes an action chunk
 
 Block-causal order and fixed positions are the model's (see vla.py and ModelConfig): with every partition
