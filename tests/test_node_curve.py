@@ -55,12 +55,10 @@ def test_curve_refuses_a_key_not_allowed_then_admits_the_allowed_one(tmp_path):
         allowed_client_works(node, tmp_path / "keys", set(node.sent), handshake_s=60.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transport bug: after a plaintext (NULL mechanism) peer binds the frame/command addresses, the node's "
-    "CURVE-server SUBs, which connect there, fail the handshake with a protocol error; libzmq 4.3.5 then "
-    "terminates that connection instead of reconnecting, so the node never receives frames or commands "
-    "again until it restarts (vla_node/transport.py, NodeTransport)"))
 def test_curve_refuses_a_plaintext_client_then_admits_the_allowed_one(tmp_path):
+    """A plaintext peer that binds the frame and command addresses can make libzmq 4.3.5 give up the node's
+    connections there (a handshake protocol error); the node connects them again (tests/test_transport.py
+    test_a_failed_curve_handshake_does_not_cut_the_node_off makes that failure happen every time)."""
     create_keys(tmp_path / "keys")
     with running_node(curve_launch(tmp_path, tmp_path / "keys"), tmp_path, handshake_s=None) as node:
         node.process.wait_log(node.process.SOCKETS_OPEN)

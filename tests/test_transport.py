@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import socket
 import stat
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -377,6 +378,61 @@ def test_curve_refuses_a_plaintext_client(keys_dir: Path) -> None:
         with pytest.raises(TimeoutError):
             client.wait_for_node(0.3)
         assert node.drain_frames() == ({}, 0)
+
+
+class NullGreeter:
+    """A TCP listener that answers every connection with a ZMTP 3.0 greeting for the NULL mechanism (a plaintext
+    ZeroMQ peer) and keeps it open: a CURVE peer that connects sees the mechanism mismatch itself, every time."""
+
+    GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener.settimeout(0.05)
+        self.peers: list[socket.socket] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                peer, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            peer.sendall(self.GREETING)
+            self.peers.append(peer)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for s in (*self.peers, self.listener):
+            s.close()
+
+
+def test_a_failed_curve_handshake_does_not_cut_the_node_off(keys_dir: Path) -> None:
+    """libzmq 4.3.5 gives a connecting socket up for good once its handshake failed with a protocol error (here: a
+    plaintext peer's NULL greeting). The node's transport connects it again, so the allowed client that binds next
+    gets through."""
+    ports = free_tcp_ports(4)
+    config = TransportConfig(*(f"tcp://127.0.0.1:{p}" for p in ports), curve_keys_dir=str(keys_dir))
+    assert len(NullGreeter.GREETING) == 64
+    with NodeTransport(config) as node:
+        greeters = [NullGreeter(ports[0]), NullGreeter(ports[1])]  # the frame and command addresses
+        try:
+            deadline = time.monotonic() + 10.0
+            while node.reconnects < 2 and time.monotonic() < deadline:  # both SUBs met the plaintext peer
+                node.poll(10)
+        finally:
+            for greeter in greeters:
+                greeter.close()
+        assert node.reconnects >= 2, "the node's SUBs never reported the failed handshakes"
+        with Client(config) as allowed:
+            handshake(node, allowed)
+            allowed.send_frame("front", 7, 7, IMAGE)
+            wait_readable(node)
+            latest, _ = node.drain_frames()
+            assert decode_frame(latest[b"frame/front"], CAMERAS).seq == 7
 
 
 def test_curve_missing_keys_is_a_config_error(tmp_path: Path) -> None:

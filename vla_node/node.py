@@ -170,6 +170,7 @@ class Node:
             "instruction": pipeline.instruction,
             "kv_bytes": pipeline.policy.kv_bytes(),
             "rss_bytes": rss_bytes(),
+            "transport": {"reconnects": self.transport.reconnects, "publish_dropped": self.transport.publish_dropped},
             "model": self.config.model.checkpoint or self.config.model.preset,
             "backend": self.config.model.backend,
             "weights": self.config.model.resolved_weights,

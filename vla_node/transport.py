@@ -101,6 +101,14 @@ class TransportConfig:
                 "curve_keys_dir", self.curve_keys_dir, "a directory path (see `python -m vla_node.keys DIR`) or unset")
 
 
+# The monitor events after which libzmq 4.3 gives a connecting socket's session up for good: its handshake failed
+# with a protocol error (e.g. a plaintext peer bound the address and our CURVE side saw its NULL greeting first) or
+# was refused. (When the peer hangs up first, HANDSHAKE_FAILED_NO_DETAIL, libzmq reconnects by itself.)
+# NodeTransport then connects the socket again.
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+RECONNECT_AFTER_NS = 100_000_000  # at most one reconnect per socket per 100 ms (libzmq's own reconnect interval)
+
+
 def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, config.rcv_hwm)
@@ -108,6 +116,39 @@ def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
+
+
+class _Watched:
+    """A connecting socket and a monitor of its failed handshakes; heal() connects it again when one failed."""
+
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.sock, self.address = sock, address
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.failed = False
+        self.next_ns = 0  # no reconnect before this (monotonic ns)
+
+    def heal(self, now_ns: int) -> bool:
+        """Read the monitor's events; True when the socket was connected again."""
+        while True:
+            try:
+                self.monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]: any of them is a failure
+            except zmq.Again:
+                break
+            self.failed = True
+        if not self.failed or now_ns < self.next_ns:
+            return False
+        try:
+            self.sock.disconnect(self.address)
+        except zmq.ZMQError:
+            pass  # already gone
+        self.sock.connect(self.address)
+        self.failed, self.next_ns = False, now_ns + RECONNECT_AFTER_NS
+        return True
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 class NodeTransport:
@@ -124,6 +165,8 @@ class NodeTransport:
         self._auth: ThreadAuthenticator | None = None
         self._sockets: list[zmq.Socket] = []
         self.publish_dropped = 0  # sends refused with EAGAIN (never expected from PUB, counted if they happen)
+        self.reconnects = 0  # SUBs connected again after a failed CURVE handshake
+        self._watched: list[_Watched] = []
         try:
             curve = self._start_curve() if config.curve_keys_dir else None
             self.frames_sub = self._open(zmq.SUB, config.frames, curve, bind=False)
@@ -133,6 +176,9 @@ class NodeTransport:
                 self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
             self.actions_pub = self._open(zmq.PUB, config.actions, curve, bind=True)
             self.health_pub = self._open(zmq.PUB, config.health, curve, bind=True)
+            if curve is not None:
+                self._watched = [_Watched(sub, address) for sub, address in
+                                 ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
         except BaseException:
             self.close()
             raise
@@ -175,8 +221,18 @@ class NodeTransport:
         return sock
 
     def poll(self, timeout_ms: int) -> bool:
-        """Wait up to timeout_ms for a frame or command; True when one of them is readable."""
-        return bool(self._poller.poll(timeout_ms))
+        """Wait up to timeout_ms for a frame or command; True when one of them is readable. With CURVE, also
+        connects again a SUB whose handshake failed (libzmq 4.3.5 gives such a connection up for good, so a
+        plaintext peer that once bound the address would cut the node off until a restart)."""
+        ready = bool(self._poller.poll(timeout_ms))
+        if self._watched:
+            now = time.monotonic_ns()
+            for watched in self._watched:
+                if watched.heal(now):
+                    self.reconnects += 1
+                    log.warning("CURVE handshake failed on %s (a peer without an allowed key?): connected again",
+                                watched.address)
+        return ready
 
     def drain_frame_messages(self, max_messages: int = 1000, keep: int = 3
                              ) -> dict[bytes, tuple[list[list[zmq.Frame]], int]]:
@@ -227,6 +283,9 @@ class NodeTransport:
         self._send(self.health_pub, parts)
 
     def close(self) -> None:
+        for watched in self._watched:
+            watched.close()
+        self._watched = []
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets = []
