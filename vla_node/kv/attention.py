@@ -177,7 +177,8 @@ def gather_attention(
         ws.v[:, offset:end].copy_(seg.v)
         fill_bias(bias[:, offset:end], seg.mask, seg.bias)
         offset = end
-    may_be_empty = all(seg.mask is not None for seg in segs)  # a segment without a mask is seen by every row
+    # a non-empty segment without a mask is seen by every row: then no row can be empty
+    may_be_empty = not any(seg.mask is None and seg.k.shape[1] > 0 for seg in segs)
     return buffer_attention(q, ws.k[:, :total], ws.v[:, :total], bias, check_empty=may_be_empty)
 
 
