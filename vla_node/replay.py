@@ -41,7 +41,7 @@ import numpy as np
 from vla_node.drive import DriveError, DriveMessage, DriveReader, open_drive
 from vla_node.node_process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
 from vla_node.progress import Progress
-from vla_node.replay_threads import Prefetch, Receiver
+from vla_node.replay_threads import Prefetch, Receiver, SigintFlag
 from vla_node.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
 from vla_node.transport import Client, TransportConfig
 from vla_node.validate import ConfigError, require
@@ -143,47 +143,53 @@ def _stream(client: Client, drive: DriveReader, commands: list[DriveMessage], ca
                    enabled=progress)
     interrupted = False
     start_ns = time.monotonic_ns()
-    try:
-        for loop, item in prefetch:
-            if not closed_loop:
-                due_ns = start_ns + int((loop * loop_span_ns + item.stamp_ns) / rate)
-                wait_ns = due_ns - time.monotonic_ns()
-                if wait_ns > 0:
-                    time.sleep(wait_ns / 1e9)
-            if node is not None and node.poll() is not None:
-                raise node.error("during the replay")
-            receiver.check()
-            stamp_ns = time.monotonic_ns()
-            if not closed_loop:
-                lag_ms.append((stamp_ns - due_ns) / 1e6)
-            if isinstance(item, DriveMessage):
-                if item.topic == "instruction":
-                    client.send_instruction(command_seq, stamp_ns, item.header["text"])
+    with SigintFlag() as ctrl_c:
+        try:
+            for loop, item in prefetch:
+                if ctrl_c.is_set():
+                    break
+                if not closed_loop:
+                    due_ns = start_ns + int((loop * loop_span_ns + item.stamp_ns) / rate)
+                    wait_ns = due_ns - time.monotonic_ns()
+                    if wait_ns > 0 and ctrl_c.wait(wait_ns / 1e9):
+                        break
+                if node is not None and node.poll() is not None:
+                    raise node.error("during the replay")
+                receiver.check()
+                stamp_ns = time.monotonic_ns()
+                if not closed_loop:
+                    lag_ms.append((stamp_ns - due_ns) / 1e6)
+                if isinstance(item, DriveMessage):
+                    if item.topic == "instruction":
+                        client.send_instruction(command_seq, stamp_ns, item.header["text"])
+                    else:
+                        client.send_state(command_seq, stamp_ns, item.header["values"])
+                    command_seq += 1
+                    total += 1
+                    continue
+                camera = cameras[item.camera]
+                seq = seqs[camera]
+                seqs[camera] = seq + 1
+                if item.encoding == "jpeg":
+                    client.send_frame(camera, seq, stamp_ns, item.payload, "jpeg", height=item.height, width=item.width)
                 else:
-                    client.send_state(command_seq, stamp_ns, item.header["values"])
-                command_seq += 1
+                    client.send_frame(camera, seq, stamp_ns, item.rgb(), "rgb8")
+                sent_ns = time.monotonic_ns()
                 total += 1
-                continue
-            camera = cameras[item.camera]
-            seq = seqs[camera]
-            seqs[camera] = seq + 1
-            if item.encoding == "jpeg":
-                client.send_frame(camera, seq, stamp_ns, item.payload, "jpeg", height=item.height, width=item.width)
-            else:
-                client.send_frame(camera, seq, stamp_ns, item.rgb(), "rgb8")
-            sent_ns = time.monotonic_ns()
-            total += 1
-            bar.update(1)
-            if camera == primary:
-                sent.append(SentFrame(seq, stamp_ns, sent_ns))
-                if closed_loop:
-                    receiver.wait_answered(stamp_ns, answer_timeout_s)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        bar.close()
-        prefetch.stop()
-    return StreamResult(sent, total, lag_ms, interrupted)
+                bar.update(1)
+                if camera == primary:
+                    sent.append(SentFrame(seq, stamp_ns, sent_ns))
+                    if closed_loop:
+                        deadline = time.monotonic() + answer_timeout_s
+                        while (not receiver.wait_answered(stamp_ns, 0.05) and not ctrl_c.is_set()
+                               and time.monotonic() < deadline):
+                            pass
+        except KeyboardInterrupt:  # where SigintFlag could not take over Ctrl-C
+            interrupted = True
+        finally:
+            bar.close()
+            prefetch.stop()
+    return StreamResult(sent, total, lag_ms, interrupted or ctrl_c.is_set())
 
 
 def _stop_node(node: NodeProcess, failed: bool) -> None:
