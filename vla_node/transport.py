@@ -118,7 +118,7 @@ def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
         sock.setsockopt(zmq.IPV6, 1)
 
 
-class _Watched:
+class _HandshakeWatch:
     """A connecting socket and a monitor of its failed handshakes; heal() connects it again when one failed."""
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
@@ -130,11 +130,8 @@ class _Watched:
 
     def heal(self, now_ns: int) -> bool:
         """Read the monitor's events; True when the socket was connected again."""
-        while True:
-            try:
-                self.monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]: any of them is a failure
-            except zmq.Again:
-                break
+        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no exception per call in the node's loop
+            self.monitor.recv_multipart()  # [event id + value, endpoint]: any of them is a failure
             self.failed = True
         if not self.failed or now_ns < self.next_ns:
             return False
@@ -166,7 +163,7 @@ class NodeTransport:
         self._sockets: list[zmq.Socket] = []
         self.publish_dropped = 0  # sends refused with EAGAIN (never expected from PUB, counted if they happen)
         self.reconnects = 0  # SUBs connected again after a failed CURVE handshake
-        self._watched: list[_Watched] = []
+        self._watched: list[_HandshakeWatch] = []
         try:
             curve = self._start_curve() if config.curve_keys_dir else None
             self.frames_sub = self._open(zmq.SUB, config.frames, curve, bind=False)
@@ -177,7 +174,7 @@ class NodeTransport:
             self.actions_pub = self._open(zmq.PUB, config.actions, curve, bind=True)
             self.health_pub = self._open(zmq.PUB, config.health, curve, bind=True)
             if curve is not None:
-                self._watched = [_Watched(sub, address) for sub, address in
+                self._watched = [_HandshakeWatch(sub, address) for sub, address in
                                  ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
         except BaseException:
             self.close()
