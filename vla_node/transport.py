@@ -101,11 +101,13 @@ class TransportConfig:
                 "curve_keys_dir", self.curve_keys_dir, "a directory path (see `python -m vla_node.keys DIR`) or unset")
 
 
-# The monitor events after which libzmq 4.3 gives a connecting socket's session up for good: its handshake failed
-# with a protocol error (e.g. a plaintext peer bound the address and our CURVE side saw its NULL greeting first) or
-# was refused. (When the peer hangs up first, HANDSHAKE_FAILED_NO_DETAIL, libzmq reconnects by itself.)
-# NodeTransport then connects the socket again.
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# The monitor event after which libzmq 4.3 gives a connecting socket's session up for good: its handshake failed
+# with a protocol error (e.g. a plaintext peer bound the address and our CURVE side saw its NULL greeting first).
+# NodeTransport then connects the socket again. Not after the other failures, which libzmq retries by itself: when
+# the peer hangs up first (HANDSHAKE_FAILED_NO_DETAIL), or when ZAP refuses a key (HANDSHAKE_FAILED_AUTH; tearing
+# a connection down while its ZAP request is in flight aborts libzmq 4.3.5: "Transport endpoint is not connected
+# (src/zap_client.cpp:50)").
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 RECONNECT_AFTER_NS = 100_000_000  # at most one reconnect per socket per 100 ms (libzmq's own reconnect interval)
 
 
