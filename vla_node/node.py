@@ -26,6 +26,7 @@ from vla_node.ingest import Ingest
 from vla_node.pipeline import Pipeline
 from vla_node.protocol import encode_action, encode_health
 from vla_node.scheduler import ControlClock
+from vla_node.signals import SignalFlag
 from vla_node.transport import NodeTransport
 
 log = logging.getLogger(__name__)
@@ -80,27 +81,21 @@ class Node:
             gc.collect()
             gc.freeze()
         self.transport = NodeTransport(self.config.transport)
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         worker = threading.Thread(target=self._guard(self._worker_loop), name="vla-worker", daemon=True)
-        worker.start()
-        try:
-            self._guard(self._publisher_loop)()
-        finally:
-            self.stop_event.set()
-            worker.join(timeout=10)
-            self.transport.close()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with SignalFlag(signal.SIGINT, signal.SIGTERM) as self.signals:
+            worker.start()
+            try:
+                self._guard(self._publisher_loop)()
+            finally:
+                self.stop_event.set()
+                worker.join(timeout=10)
+                self.transport.close()
         if self.error is not None:
             log.error("node stopped by an unexpected error:\n%s",
                       "".join(traceback.format_exception(self.error)))
             return 1
         log.info("node stopped cleanly")
         return 0
-
-    def _on_signal(self, signum, frame) -> None:
-        log.info("signal %d: stopping", signum)
-        self.stop_event.set()
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def guarded() -> None:
@@ -131,9 +126,12 @@ class Node:
         health_period = int(config.health.period_s * 1e9)
         next_health = self.clock() + health_period
         while not self.stop_event.is_set():
+            if self.signals.received is not None:  # the handler only records it (see signals.py)
+                log.info("signal %d: stopping", self.signals.received)
+                return
             wait = clock.wait_time(self.clock())
             if wait > 0:
-                self.stop_event.wait(wait / 1e9)
+                self.stop_event.wait(wait / 1e9)  # no handler touches the Event; a signal is seen next tick
                 continue
             now = self.clock()
             clock.tick(now)

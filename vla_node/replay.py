@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,8 +42,9 @@ import numpy as np
 from vla_node.drive import DriveError, DriveMessage, DriveReader, open_drive
 from vla_node.node_process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
 from vla_node.progress import Progress
-from vla_node.replay_threads import Prefetch, Receiver, SigintFlag
+from vla_node.replay_threads import Prefetch, Receiver
 from vla_node.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
+from vla_node.signals import SignalFlag
 from vla_node.transport import Client, TransportConfig
 from vla_node.validate import ConfigError, require
 
@@ -143,15 +145,15 @@ def _stream(client: Client, drive: DriveReader, commands: list[DriveMessage], ca
                    enabled=progress)
     interrupted = False
     start_ns = time.monotonic_ns()
-    with SigintFlag() as ctrl_c:
+    with SignalFlag(signal.SIGINT) as ctrl_c:  # Ctrl-C stops between frames: none is sent unrecorded
         try:
             for loop, item in prefetch:
-                if ctrl_c.is_set():
+                if ctrl_c.received is not None:
                     break
                 if not closed_loop:
                     due_ns = start_ns + int((loop * loop_span_ns + item.stamp_ns) / rate)
                     wait_ns = due_ns - time.monotonic_ns()
-                    if wait_ns > 0 and ctrl_c.wait(wait_ns / 1e9):
+                    if wait_ns > 0 and ctrl_c.sleep(wait_ns / 1e9):
                         break
                 if node is not None and node.poll() is not None:
                     raise node.error("during the replay")
@@ -181,15 +183,15 @@ def _stream(client: Client, drive: DriveReader, commands: list[DriveMessage], ca
                     sent.append(SentFrame(seq, stamp_ns, sent_ns))
                     if closed_loop:
                         deadline = time.monotonic() + answer_timeout_s
-                        while (not receiver.wait_answered(stamp_ns, 0.05) and not ctrl_c.is_set()
+                        while (not receiver.wait_answered(stamp_ns, 0.05) and ctrl_c.received is None
                                and time.monotonic() < deadline):
                             pass
-        except KeyboardInterrupt:  # where SigintFlag could not take over Ctrl-C
+        except KeyboardInterrupt:  # where SignalFlag could not take over Ctrl-C (not the main thread)
             interrupted = True
         finally:
             bar.close()
             prefetch.stop()
-    return StreamResult(sent, total, lag_ms, interrupted or ctrl_c.is_set())
+    return StreamResult(sent, total, lag_ms, interrupted or ctrl_c.received is not None)
 
 
 def _stop_node(node: NodeProcess, failed: bool) -> None:

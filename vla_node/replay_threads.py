@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import heapq
 import queue
-import signal
 import threading
 import time
 from typing import Any, Iterator, Mapping
@@ -175,29 +174,3 @@ class Prefetch(threading.Thread):
         self._stopping.set()
         self.join(5)
 
-
-class SigintFlag:
-    """Within `with`, Ctrl-C (SIGINT) sets this flag instead of raising KeyboardInterrupt wherever the main thread
-    happens to be, so that the replay stops between frames and never sends one without recording it. Where no
-    handler can be set (not the main thread), SIGINT raises KeyboardInterrupt as usual."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._previous: Any = None
-
-    def __enter__(self) -> "SigintFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, lambda signum, frame: self._event.set())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep up to timeout_s; True (at once) when Ctrl-C came."""
-        return self._event.wait(timeout_s)
