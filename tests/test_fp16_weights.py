@@ -58,7 +58,7 @@ def test_swap_refuses_a_model_that_is_not_fp32():
 def test_config_names_the_key_and_what_is_allowed():
     assert ModelSection(weights="fp16").resolved_weights == "fp16"
     assert ModelSection(weights="auto").resolved_weights == "fp16"  # fp32 compute on this x86 CPU
-    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "fp32"
+    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "bf16"
     with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32', 'fp16' or 'auto'"):
         ModelSection(weights="int4")
     with pytest.raises(ConfigError, match=r"model.weights = 'fp16': expected 'fp32' with dtype 'bf16'"):

@@ -62,13 +62,13 @@ class ModelSection:
 
     @property
     def resolved_weights(self) -> str:
-        """'fp16' or 'fp32': what `weights` means on this machine."""
-        if self.weights != "auto":
-            return self.weights
+        """How the linear weights are stored on this machine: 'fp16' (fbgemm, fp32 compute) or the compute dtype."""
+        if self.weights == "fp16":
+            return "fp16"
         from vla_node.model.fp16_weights import fp16_weights_available
 
-        fp16 = self.dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
-        return "fp16" if fp16 else "fp32"
+        fp16 = self.weights == "auto" and self.dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
+        return "fp16" if fp16 else self.dtype
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

@@ -29,6 +29,7 @@ import torch
 
 from vla_node.kv import GatherWorkspace, KVPartition, PartitionSpec, Segment, VisionMemory, VisionMemoryConfig
 from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
+from vla_node.kv.partition import resolve_device
 from vla_node.kv.prefix import PrefixBuffer
 from vla_node.model.action_head import ActionBins
 from vla_node.model.tokenizer import encode
@@ -99,7 +100,7 @@ class CacheConfig:
 class MultiRatePolicy:
     def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", reuse: ReuseConfig = ReuseConfig()) -> None:
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.reuse_config = reuse
         self.model = model.to(device=self.device, dtype=dtype)
         self.dtype = dtype
@@ -144,7 +145,7 @@ class MultiRatePolicy:
             total = c.max_text_tokens + sum(p.capacity for p in self.vision.partitions) + c.state_slots + 1
             total += c.action_tokens
             longest_block = max(c.tokens_per_frame, c.max_text_tokens, c.action_tokens, c.state_slots)
-            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype)
+            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev)
         self.text_ids: list[int] = []
         self.instruction: str | None = None
         self.frame_count = 0
@@ -154,7 +155,8 @@ class MultiRatePolicy:
         self._prefix = None
         if cache.tick_prefix and not self._track_importance:
             prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
-            self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype)
+            self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype,
+                                        dev)
         # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
         # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
         # _refresh_states recomputes them right after the commit.

@@ -171,5 +171,6 @@ class Node:
             "transport": {"reconnects": self.transport.reconnects, "publish_dropped": self.transport.publish_dropped},
             "model": self.config.model.checkpoint or self.config.model.preset,
             "backend": self.config.model.backend,
+            "device": self.config.model.device,
             "weights": self.config.model.resolved_weights,
         }

@@ -97,6 +97,9 @@ class Pipeline:
             raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "
                               "on this machine; use 'cpu'")
         self.policy = MultiRatePolicy(load_model(config), config.cache, dtype, device, config.reuse)
+        # A GPU runs the stages asynchronously: wait for it at every budget check and stage end, so that stage
+        # costs and checks see the work done, not the work queued.
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         c = self.policy.config
         self.small = None
         if config.scheduler.smaller_preset is not None:
@@ -114,23 +117,29 @@ class Pipeline:
 
     # --- warm-up: measured stage costs are the scheduler's priors ------------------------------------
     def warm_up(self, rounds: int = 2) -> dict[str, float]:
+        """Run every stage once untimed (first calls pay one-off costs: allocator growth, CUDA's lazy kernel and
+        library loading, hundreds of ms on a GPU), then `rounds` times timed; a stage's prior is its slowest
+        timed run."""
         c = self.policy.config
         cfg = SyntheticDriveConfig(width=320, height=240, fps=10, seconds=1, seed=1)
         frames = [f for _, f in synthetic_frames(cfg)][: rounds + 1]
         priors: dict[str, float] = {}
 
-        def timed(key: str, fn) -> None:
+        def timed(key: str, fn, first: bool) -> None:
             t0 = time.perf_counter_ns()
             fn()
-            priors[key] = max(priors.get(key, 0.0), (time.perf_counter_ns() - t0) / 1e6)
+            self.sync()
+            if not first:
+                priors[key] = max(priors.get(key, 0.0), (time.perf_counter_ns() - t0) / 1e6)
 
         for policy, prefix in ((self.policy, ""), (self.small, "small_")):
             if policy is None:
                 continue
-            for frame in frames:
-                timed(prefix + "text", lambda: policy.update_text(self.config.model.instruction))
-                timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * c.num_cameras)))
-                timed(prefix + "action", lambda: policy.action_tick(self.state))
+            for i, frame in enumerate(frames):
+                timed(prefix + "text", lambda: policy.update_text(self.config.model.instruction), i == 0)
+                timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * c.num_cameras)),
+                      i == 0)
+                timed(prefix + "action", lambda: policy.action_tick(self.state), i == 0)
         self.instruction = self.config.model.instruction
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True,
                     "smaller_engine": self.small is not None, "chunk": c.action_horizon > 1}
@@ -166,12 +175,14 @@ class Pipeline:
             done = [0.0]
 
             def check(fraction: float) -> bool:
+                self.sync()
                 done[0] = fraction
                 return budget.fits(stage, self.clock(), fraction_left=max(0.0, 1.0 - fraction))
 
             try:
                 self.delay.apply(stage)
                 result = work(check)
+                self.sync()
             except StageAborted:
                 budget.stop(stage, self.clock(), min(done[0], 0.99))
                 return None

@@ -367,5 +367,6 @@ def replay_command(args) -> int:
 def _backend(health: dict, config) -> str:
     """'torch' and, where the node says so, its linear weights: 'torch, fp16 weights'."""
     backend = str(health.get("backend", config.model.backend))
-    weights = health.get("weights")
+    weights, device = health.get("weights"), health.get("device")
+    backend = f"{backend} on {device}" if isinstance(device, str) and device != "cpu" else backend
     return f"{backend}, {weights} weights" if isinstance(weights, str) else backend

@@ -79,7 +79,7 @@ class KVPartition:
 
     def __init__(self, spec: PartitionSpec, device: str | torch.device = "cpu") -> None:
         self.spec = spec
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         L, H, C, D = spec.n_layers, spec.n_kv_heads, spec.capacity, spec.head_dim
         dev = self.device
         self.k = torch.zeros(L, H, C, D, dtype=spec.torch_dtype, device=dev)
@@ -461,6 +461,12 @@ class KVPartition:
         return self.v_scale[:, :, slots.to(self.device)].float()
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The device with its index: tensors report 'cuda:0', and torch.device('cuda') != torch.device('cuda:0')."""
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
 def _describe(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {list(t.shape)}"
@@ -473,4 +479,4 @@ def _check_vector(part: str, name: str, t: Any, n: int, dtypes: tuple[torch.dtyp
         raise ValueError(f"{part}.write: {name} {_describe(t)}: expected a {allowed} tensor [{n}]")
 
 
-__all__ = ["PartitionSpec", "KVPartition", "STORAGE_DTYPES", "SCALE_DTYPES"]
+__all__ = ["PartitionSpec", "KVPartition", "resolve_device", "STORAGE_DTYPES", "SCALE_DTYPES"]

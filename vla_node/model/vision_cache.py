@@ -24,11 +24,14 @@ the decoder's KV cache (a budget stop leaves both as they were).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from vla_node.model.vision import VisionTower, softmax_attention
+
+if TYPE_CHECKING:
+    from vla_node.kv.attention import Segment
 
 Check = Callable[[float], bool]  # called with the fraction done; False = stop now
 
@@ -237,7 +240,7 @@ class FrameTokenCache:
         return self._stage["v"]
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None,
-            text: Callable[[int], "Segment"], context: object, check: Check | None = None,
+            text: Callable[[int], Segment], context: object, check: Check | None = None,
             attend: Callable | None = None) -> None:
         """x [T, hidden] every token's input embedding; positions int64 [T]; tokens int64 [n] to recompute (None =
         all, which is required when the cache holds nothing for `context`); text(layer) the text partition's
