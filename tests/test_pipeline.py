@@ -1,5 +1,6 @@
 """The worker's per-frame pipeline without sockets or threads, on an injected clock."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -54,3 +55,18 @@ def test_a_frame_past_its_deadline_runs_nothing():
     plan = pipeline.process([frame(0, old, 40)], None, None)
     assert plan.stale and pipeline.frames_skipped == 1 and pipeline.frames_processed == 0
     assert pipeline.broker.next(clock.now).status is TickStatus.FALLBACK
+
+
+@pytest.mark.parametrize("name", ["cpu", "rtx", "jetson-orin"])
+def test_every_launch_file_builds_its_engines_and_warms_up(name):
+    """The shipped launch files start (on this CPU, in fp32): the instruction fits every engine. The smaller
+    engine takes the main engine's text capacity (jetson-orin's tiny one would otherwise refuse its instruction)."""
+    config = load_launch(Path(__file__).parents[1] / "launch" / f"{name}.toml")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, device="cpu", dtype="fp32"))
+    pipeline = Pipeline(config)
+    priors = pipeline.warm_up(rounds=1)
+    assert pipeline.policy.instruction == config.model.instruction
+    engines = [pipeline.policy] + ([pipeline.small] if config.scheduler.smaller_preset else [])
+    assert {p.config.max_text_tokens for p in engines} == {pipeline.policy.config.max_text_tokens}
+    assert all(p.instruction == config.model.instruction for p in engines)
+    assert all(v > 0 for v in priors.values()), priors

@@ -68,15 +68,18 @@ class TestDelay:
             time.sleep(self._value[1] / 1000)
 
 
-def load_model(config: NodeConfig, preset_name: str | None = None):
-    model = _build_model(config, preset_name)
+def load_model(config: NodeConfig, preset_name: str | None = None, text_tokens: int | None = None):
+    """The main engine's model, or with `preset_name` the smaller engine's, given the main engine's text capacity
+    (`text_tokens`) so that every instruction the main engine takes fits it too."""
+    model = _build_model(config, preset_name, text_tokens)
     return use_fp16_weights(model) if config.model.resolved_weights == "fp16" else model
 
 
-def _build_model(config: NodeConfig, preset_name: str | None):
+def _build_model(config: NodeConfig, preset_name: str | None, text_tokens: int | None):
     section = config.model
     if preset_name is not None:
-        return build_vla(preset(preset_name), seed=section.seed)
+        shapes = preset(preset_name)
+        return build_vla(shapes.replace(max_text_tokens=text_tokens or shapes.max_text_tokens), seed=section.seed)
     if section.checkpoint is not None:
         model = load_checkpoint(section.checkpoint)
     else:
@@ -103,8 +106,8 @@ class Pipeline:
         c = self.policy.config
         self.small = None
         if config.scheduler.smaller_preset is not None:
-            self.small = MultiRatePolicy(load_model(config, config.scheduler.smaller_preset), config.cache, dtype,
-                                         device, config.reuse)
+            self.small = MultiRatePolicy(load_model(config, config.scheduler.smaller_preset, c.max_text_tokens),
+                                         config.cache, dtype, device, config.reuse)
         self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
         self.broker = ChunkBroker.from_config(config.scheduler, c.action_horizon, c.action_dims)
         self.state = np.zeros(c.state_dim, np.float32)
