@@ -1,5 +1,7 @@
 """FP16 weights with FP32 compute (fbgemm): exact against fp16-rounded weights, and the cache stays exact."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -63,3 +65,22 @@ def test_config_names_the_key_and_what_is_allowed():
         ModelSection(weights="int4")
     with pytest.raises(ConfigError, match=r"model.weights = 'fp16': expected 'fp32' with dtype 'bf16'"):
         ModelSection(weights="fp16", dtype="bf16")
+
+
+def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_hardware(monkeypatch):
+    import vla_node.model.fp16_weights as precision
+
+    for has_bf16, dtype, weights in ((True, "bf16", "bf16"), (False, "fp32", "fp16")):
+        monkeypatch.setattr(precision, "cpu_has_bf16", lambda: has_bf16)
+        section = ModelSection(dtype="auto", weights="auto")
+        assert (section.resolved_dtype, section.resolved_weights) == (dtype, weights)
+    assert ModelSection(dtype="auto", device="cuda").resolved_dtype == "bf16"
+    with pytest.raises(ConfigError, match=r"model.dtype = 'int8': expected fp32, bf16, fp16 or auto"):
+        ModelSection(dtype="int8")
+
+
+def test_cpu_has_bf16_reads_the_cpu_flags():
+    from vla_node.model.fp16_weights import cpu_has_bf16
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)

@@ -1,7 +1,10 @@
 """`vla-node bench cache`: the multi-rate KV cache against full recompute, measured side by side in one run.
 
-    python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype fp32]
+    python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype auto|fp32|bf16]
                                    [--weights fp16|fp32] [--json F]
+
+Compute dtype: fp32 (as launch/cpu.toml), bf16, or auto (bf16 where the CPU has bf16 hardware: AVX512-BF16, AMX);
+the reference and transformers compute in the same dtype.
 
 What it measures (same weights, same synthetic 640x480 frame, one process, one thread by default):
   - action_tick_ms, vision_update_ms (full refresh), text_update_ms of MultiRatePolicy with the default
@@ -10,8 +13,8 @@ What it measures (same weights, same synthetic 640x480 frame, one process, one t
     action_tick_after_commit_ms: the tick that follows a text or vision update, which also recomputes the
     stored states (the "vision update + tick" ratio uses it);
   - hf_generate_ms: transformers' LlamaForCausalLM.generate on the same decoder weights and tokens
-    (bench_model.hf_generate_ms, fp32 compute, its linear weights as ours);
-  - weights: every linear layer's weights fp16 (fbgemm, fp32 compute; the default where fbgemm exists, as in
+    (bench_model.hf_generate_ms, our compute dtype, its linear weights as ours);
+  - weights (fp32 compute): every linear layer's weights fp16 (fbgemm; the default where fbgemm exists, as in
     launch/cpu.toml) or fp32, for every policy, the reference and transformers alike; with fp16 weights the
     fp32-weight action tick and reference step are timed in the same rounds too;
   - kv bytes per partition, and the vision partition's bytes if it were stored in fp16;
@@ -42,7 +45,7 @@ from vla_node.bench_model import hf_generate_ms
 from vla_node.kv import KVPartition, VisionMemoryConfig
 from vla_node.kv.vision_config import POLICIES
 from vla_node.model import ModelConfig, build_vla, preset
-from vla_node.model.fp16_weights import fp16_weights_available, use_fp16_weights
+from vla_node.model.fp16_weights import cpu_has_bf16, fp16_weights_available, use_fp16_weights
 from vla_node.model.vla import VLA
 from vla_node.multirate import CacheConfig, MultiRatePolicy
 from vla_node.reference import ActionChunk, ReferencePolicy
@@ -160,6 +163,8 @@ def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path:
         weights: str | None = None) -> dict:
     """Measure everything listed in the module docstring; print a table; return (and optionally write) the
     figures as a dict."""
+    if compute_dtype == "auto":  # as launch/cpu.toml: bf16 where the CPU has bf16 hardware (fp16 weights: fp32)
+        compute_dtype = "bf16" if cpu_has_bf16() and weights != "fp16" else "fp32"
     dtype = choose("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     if weights is None:
         weights = "fp16" if fp16_weights_available() and dtype == torch.float32 else "fp32"
@@ -217,7 +222,7 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
     default_mode = CacheConfig().attention
     other_mode = "segmented" if default_mode == "gather" else "gather"
     policies = {mode: MultiRatePolicy(model, CacheConfig(attention=mode), dtype) for mode in (default_mode, other_mode)}
-    if model is not base:
+    if weights == "fp16":  # (MultiRatePolicy converts its model in place: base only ever at fp32)
         policies["fp32 weights"] = MultiRatePolicy(base, CacheConfig(), dtype)
     reference = ReferencePolicy(model, dtype)
     images = policies[default_mode].prepare_frames([frame])
@@ -248,7 +253,8 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
     for name, t in timing.items():
         print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})",
               flush=True)
-    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION, fp16_weights=weights == "fp16")
+    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION, fp16_weights=weights == "fp16",
+                        dtype=dtype)
     print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, "
           f"{weights} weights)", flush=True)
     ms = {name: round(t["median"], 2) for name, t in timing.items()}
@@ -262,7 +268,7 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
         "reference_step_ms": ms["reference_step"],
         "reference_dtype": "fp32" if dtype == torch.float32 else "bf16",
         "hf_generate_ms": round(hf["median"], 2),
-        "hf_dtype": "fp32",  # timed in its own loop (bench_model.hf_generate_ms), right after the rounds
+        "hf_dtype": "fp32" if dtype == torch.float32 else "bf16",  # timed in its own loop, right after the rounds
         "hf_weights": weights,
         "timing_spread_ms": {name: [round(t["min"], 2), round(t["max"], 2)] for name, t in timing.items()},
         "kv_bytes": kv,
@@ -411,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--compute-dtype", choices=sorted(COMPUTE_DTYPES), default="fp32")
+    parser.add_argument("--compute-dtype", choices=["auto", *sorted(COMPUTE_DTYPES)], default="fp32",
+                        help="auto: bf16 where the CPU has bf16 hardware (AVX512-BF16, AMX), else fp32")
     parser.add_argument("--weights", choices=["fp16", "fp32"], default=None,
                         help="linear weights of every model timed (default: fp16 where fbgemm exists, else fp32)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")

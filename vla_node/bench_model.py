@@ -21,27 +21,31 @@ INSTRUCTION = "keep the lane, follow the car ahead"
 
 
 def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int,
-                   instruction: str = INSTRUCTION, fp16_weights: bool = False) -> dict[str, float]:
+                   instruction: str = INSTRUCTION, fp16_weights: bool = False,
+                   dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix embeddings
     (text, vision, state), then H*D new tokens, greedy, its default dynamic cache. `model` is fp32; with
     fp16_weights both transformers' decoder and the model computing the prefix get fp16 weights (the same
-    swap as ours), so that the comparison is at one precision."""
+    swap as ours), with dtype bf16 both compute in bf16, so that the comparison is at one precision."""
     import transformers
 
     c = model.config
     with tempfile.TemporaryDirectory() as tmp:
         path = save_checkpoint(model, tmp)
-        hf = transformers.LlamaForCausalLM.from_pretrained(str(path / "decoder"), dtype=torch.float32).eval()
+        hf = transformers.LlamaForCausalLM.from_pretrained(str(path / "decoder"), dtype=dtype).eval()
     if fp16_weights:
         model, hf = use_fp16_weights(copy.deepcopy(model)), use_fp16_weights(hf)
+    elif dtype != torch.float32:
+        model = copy.deepcopy(model).to(dtype)
     from vla_node.model.tokenizer import encode
 
     ids = torch.tensor(encode(instruction, c.max_text_tokens))
 
     def run():
         with torch.inference_mode():
-            pixels = policy.prepare_frames([frame])
-            prefix = torch.cat([model.embed_text(ids), model.encode_frame(pixels), model.embed_state(torch.zeros(c.state_dim))])
+            pixels = policy.prepare_frames([frame]).to(dtype)
+            prefix = torch.cat([model.embed_text(ids), model.encode_frame(pixels),
+                                model.embed_state(torch.zeros(c.state_dim, dtype=dtype))])
             hf.generate(inputs_embeds=prefix[None], max_new_tokens=c.action_tokens, min_new_tokens=c.action_tokens,
                         do_sample=False, pad_token_id=258)
 

@@ -31,7 +31,8 @@ def cmd_bench(args) -> int:
     elif args.what == "cache":
         from vla_node import bench_cache
 
-        bench_cache.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, weights=args.weights)
+        bench_cache.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, weights=args.weights,
+                        compute_dtype=args.compute_dtype)
     elif args.what == "node":
         from vla_node import bench_node
 
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids OpenMP spin on small CPUs)")
     p.add_argument("--seconds", type=float, default=60.0, help="bench node: run length")
+    p.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"], default="fp32",
+                   help="bench cache: compute dtype (default fp32, as launch/cpu.toml; auto: bf16 where the CPU has "
+                        "bf16 hardware)")
     p.add_argument("--weights", choices=["fp16", "fp32"], default=None,
                    help="bench cache and reuse: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml)")
     p.add_argument("--json", help="also write the figures to this JSON file")

@@ -31,7 +31,7 @@ class ModelSection:
     preset: str = "small"  # tiny | small | base (ignored when checkpoint is set)
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
-    dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 | auto (bf16 on a GPU or a CPU with bf16 hardware, else fp32)
     # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | auto (fp16
     # where that works: fp32 compute on an x86 CPU; else the compute dtype)
     weights: str = "fp32"
@@ -44,13 +44,14 @@ class ModelSection:
     def __post_init__(self) -> None:
         if self.checkpoint is None:
             choose("model.preset", self.preset, PRESETS)
-        require(self.dtype in ("fp32", "bf16", "fp16"), "model.dtype", self.dtype, "fp32, bf16 or fp16")
+        require(self.dtype in ("fp32", "bf16", "fp16", "auto"), "model.dtype", self.dtype, "fp32, bf16, fp16 or auto")
         require(self.weights in ("fp32", "fp16", "auto"), "model.weights", self.weights, "'fp32', 'fp16' or 'auto'")
         if self.weights == "fp16":
             from vla_node.model.fp16_weights import fp16_weights_available
 
-            require(self.dtype == "fp32" and self.device == "cpu", "model.weights", self.weights,
-                    f"'fp32' with dtype {self.dtype!r} on {self.device!r} (fp16 weights take fp32 compute on the CPU)")
+            require(self.resolved_dtype == "fp32" and self.device == "cpu", "model.weights", self.weights,
+                    f"'fp32' with dtype {self.resolved_dtype!r} on {self.device!r} (fp16 weights take fp32 compute on "
+                    "the CPU)")
             require(fp16_weights_available(), "model.weights", self.weights,
                     "'fp32' here: fp16 weights need torch's fbgemm backend (x86-64 CPUs)")
         require(self.backend == "torch", "model.backend", self.backend, "'torch'")
@@ -61,14 +62,25 @@ class ModelSection:
                 "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")
 
     @property
+    def resolved_dtype(self) -> str:
+        """The compute dtype on this machine: `dtype`, or for 'auto' bf16 on a GPU or a CPU with bf16 hardware
+        (AVX512-BF16, AMX), else fp32."""
+        if self.dtype != "auto":
+            return self.dtype
+        from vla_node.model.fp16_weights import cpu_has_bf16
+
+        return "bf16" if self.device != "cpu" or cpu_has_bf16() else "fp32"
+
+    @property
     def resolved_weights(self) -> str:
         """How the linear weights are stored on this machine: 'fp16' (fbgemm, fp32 compute) or the compute dtype."""
         if self.weights == "fp16":
             return "fp16"
         from vla_node.model.fp16_weights import fp16_weights_available
 
-        fp16 = self.weights == "auto" and self.dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
-        return "fp16" if fp16 else self.dtype
+        dtype = self.resolved_dtype
+        fp16 = self.weights == "auto" and dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
+        return "fp16" if fp16 else dtype
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

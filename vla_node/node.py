@@ -172,5 +172,6 @@ class Node:
             "model": self.config.model.checkpoint or self.config.model.preset,
             "backend": self.config.model.backend,
             "device": self.config.model.device,
+            "dtype": self.config.model.resolved_dtype,
             "weights": self.config.model.resolved_weights,
         }

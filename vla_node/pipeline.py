@@ -94,7 +94,7 @@ class Pipeline:
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
         self.clock = clock
-        dtype = DTYPES[config.model.dtype]
+        dtype = DTYPES[config.model.resolved_dtype]
         device = config.model.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "

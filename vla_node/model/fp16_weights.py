@@ -1,4 +1,5 @@
-"""FP16 weights with FP32 compute on x86 CPUs (fbgemm), the CPU's answer to a half-precision engine.
+"""FP16 weights with FP32 compute on x86 CPUs (fbgemm), the CPU's answer to a half-precision engine where the CPU
+has no bf16 hardware (`cpu_has_bf16`).
 
 A small-batch matmul on a CPU without bf16 hardware is bound by reading the weights from memory: an action
 tick (17 tokens) streams the whole decoder's fp32 weights every period. fbgemm's `linear_dynamic_fp16` keeps
@@ -15,6 +16,17 @@ from torch import nn
 
 def fp16_weights_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; Linux's /proc/cpuinfo flags). Without it
+    torch emulates bf16 matmuls, several times slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class Fp16WeightLinear(nn.Module):
