@@ -43,6 +43,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[[cameras]]\nname = 'front'\n[[cameras]]\nname = 'front'\n", "cameras = ['front', 'front']"),
     ("[scheduler]\nfallback_action = [0.0]\n", "scheduler.fallback_action = (0.0,): expected 2 values"),
     ("[model]\ndevice = 'tpu'\n", "model.device = 'tpu'"),
+    ("[model]\npreset = 'tiny'\ninstruction = 'keep the lane and follow traffic'\n",
+     "model.instruction = 'keep the lane and follow traffic': expected at most 23 UTF-8 bytes"),
     ("[model\npreset = 'small'\n", "invalid TOML"),
 ])
 def test_bad_values_fail_at_load_with_the_key(tmp_path, text, message):

@@ -36,6 +36,7 @@ import zmq
 
 from vla_node.codec import unpack
 from vla_node.config import default_launch, load_launch
+from vla_node.model import preset as model_preset
 from vla_node.node_process import NodeProcess, NodeProcessError
 from vla_node.protocol import decode_action, decode_health, encode_frame
 from vla_node.transport import Client, TransportConfig
@@ -182,6 +183,12 @@ def launch_for(preset: str, out_dir: Path) -> Path:
     text, n = re.subn(r'(?m)^preset = "[^"]*"', f'preset = "{preset}"', source.read_text(), count=1)
     if n != 1:
         raise RuntimeError(f"{source}: no `preset = \"...\"` line to replace")
+    limit = model_preset(preset).max_text_tokens - 1  # the instruction must fit the preset's text partition
+    instruction = load_launch(source).model.instruction
+    if len(instruction.encode()) > limit:
+        short = instruction.encode()[:limit].decode("utf-8", "ignore").rstrip()
+        text = re.sub(r'(?m)^instruction = .*$', f'instruction = {json.dumps(short)}  # shortened to fit {preset}',
+                      text, count=1)
     path = out_dir / f"cpu-{preset}.toml"
     path.write_text(text)
     load_launch(path)  # a bad preset fails here, with the did-you-mean

@@ -153,6 +153,11 @@ class NodeConfig:
         if self.scheduler.fallback_action is not None:
             require(len(self.scheduler.fallback_action) == model.action_dims, "scheduler.fallback_action",
                     self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
+        text_bytes = model.max_text_tokens - 1  # BOS + UTF-8 bytes (the smaller engine takes the same capacity)
+        require(isinstance(self.model.instruction, str) and len(self.model.instruction.encode()) <= text_bytes,
+                "model.instruction", self.model.instruction,
+                f"at most {text_bytes} UTF-8 bytes (the model's text partition: {model.max_text_tokens} tokens, BOS "
+                "included)")
 
     def replace(self, **sections) -> "NodeConfig":
         return dataclasses.replace(self, **sections)
