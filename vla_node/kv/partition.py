@@ -317,9 +317,9 @@ class KVPartition:
         if n == 0:
             return
         for name, t in (("k", k), ("v", v)):
-            finite = torch.isfinite(t).all()
-            biggest = float(t.abs().amax()) if bool(finite) else float("inf")
-            if biggest > self._limit:
+            lo, hi = torch.aminmax(t)  # one pass; NaN propagates
+            biggest = max(-float(lo), float(hi))
+            if not biggest <= self._limit:  # NaN compares False
                 raise ValueError(f"{self.name}.write: {name} has |value| up to {biggest}: expected finite values "
                                  f"within +-{self._limit} for {s.dtype} storage")
 
@@ -336,9 +336,6 @@ class KVPartition:
         members = members.clamp_max(self.capacity - 1)
         L, H, _, D = self.k.shape
         flat = members.reshape(-1)  # [m*G]
-        old_scale, old_zero = self.k_scale[:, :, groups], self.k_zero[:, :, groups]  # [L, H, m, D]
-        codes = self.k[:, :, flat].reshape(L, H, m, G, D)  # [L, H, m, G, D]
-        work = quant.dequantize(codes, old_scale[:, :, :, None], old_zero[:, :, :, None])
         row = torch.searchsorted(groups, torch.div(slots, G, rounding_mode="floor"))  # [n] group index
         col = slots % G  # [n] member index
         old_live = exists & self.valid[members]  # [m, G]
@@ -346,19 +343,26 @@ class KVPartition:
         has_old = old_live.any(dim=1)  # [m]
         new_live = torch.zeros_like(old_live)
         new_live[row, col] = True
+        live = (old_live | new_live)[None, None, :, :, None]  # [1, 1, m, G, 1]
+        if bool(has_old.any()):
+            old_scale, old_zero = self.k_scale[:, :, groups], self.k_zero[:, :, groups]  # [L, H, m, D]
+            codes = self.k[:, :, flat].reshape(L, H, m, G, D)  # [L, H, m, G, D]
+            work = quant.dequantize(codes, old_scale[:, :, :, None], old_zero[:, :, :, None])
+        else:  # every touched group is rewritten whole (a frame over its own slots): nothing old to keep
+            work = torch.zeros(L, H, m, G, D)
         work[:, :, row, col] = k.float()  # overlay new tokens; [L, H, n, D] into [L, H, m, G, D]
-        live = old_live | new_live
-        fresh_scale, fresh_zero = quant.quant_params(work, dim=3, scale_dtype=sd, live=live[None, None, :, :, None])
-        fresh_scale, fresh_zero = fresh_scale.squeeze(3), fresh_zero.squeeze(3)  # [L, H, m, D]
-        # keep the old parameters of a channel when its group has old members and the new tokens fit its range:
-        # old members then re-quantize to exactly the same codes (no drift from repeated writes)
-        is_new = new_live[None, None, :, :, None]  # [1, 1, m, G, 1]
-        lo = torch.where(is_new, work, float("inf")).amin(dim=3)  # [L, H, m, D]
-        hi = torch.where(is_new, work, float("-inf")).amax(dim=3)
-        top = old_zero.float() + quant.Q_LEVELS * old_scale.float()
-        keep = has_old[None, None, :, None] & (lo >= old_zero.float()) & (hi <= top)
-        scale = torch.where(keep, old_scale, fresh_scale)
-        zero = torch.where(keep, old_zero, fresh_zero)
+        scale, zero = quant.quant_params(work, dim=3, scale_dtype=sd, live=live)
+        scale, zero = scale.squeeze(3), zero.squeeze(3)  # [L, H, m, D]
+        if bool(has_old.any()):
+            # keep the old parameters of a channel when its group has old members and the new tokens fit its
+            # range: old members then re-quantize to exactly the same codes (no drift from repeated writes)
+            is_new = new_live[None, None, :, :, None]  # [1, 1, m, G, 1]
+            lo = torch.where(is_new, work, float("inf")).amin(dim=3)  # [L, H, m, D]
+            hi = torch.where(is_new, work, float("-inf")).amax(dim=3)
+            top = old_zero.float() + quant.Q_LEVELS * old_scale.float()
+            keep = has_old[None, None, :, None] & (lo >= old_zero.float()) & (hi <= top)
+            scale = torch.where(keep, old_scale, scale)
+            zero = torch.where(keep, old_zero, zero)
         new_codes = quant.quantize_with(work, scale[:, :, :, None], zero[:, :, :, None])  # [L, H, m, G, D]
         # commit (nothing below can fail)
         keep_cols = exists.reshape(-1)  # [m*G]

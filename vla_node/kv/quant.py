@@ -78,8 +78,8 @@ def quant_params(
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """int8 codes of `x` for given (broadcastable) scale and zero point."""
-    levels = ((x.float() - zero.float()) / scale.float()).round_().clamp_(0, Q_LEVELS)
-    return (levels - Q_OFFSET).to(torch.int8)
+    levels = x.to(torch.float32, copy=True).sub_(zero).div_(scale)  # one fp32 buffer, every step in place
+    return levels.round_().clamp_(0, Q_LEVELS).sub_(Q_OFFSET).to(torch.int8)
 
 
 def quantize(
