@@ -111,7 +111,7 @@ def test_default_partial_update_reuses_and_stays_closer_than_stale_outputs():
     tokens = changed_tokens(frames[0], frames[1])
     update = partial.update_vision(frames[1][None], [tokens])
     assert not update.full and update.tokens_refreshed == tokens.numel() < CONFIG.tokens_per_frame
-    assert partial._frame_tokens.staged_rows == [tokens.numel()] * CONFIG.num_layers
+    assert partial._frame_tokens.staged_rows == [tokens.numel()] * (CONFIG.num_layers - 1)  # the last: K/V only
     unchanged = torch.ones(CONFIG.tokens_per_frame, dtype=torch.bool)
     unchanged[tokens] = False
     slots = partial._token_slots[unchanged]

@@ -213,17 +213,23 @@ class MultiRatePolicy:
         return segmented_attention(q, segments)
 
     def _run_block(self, x: torch.Tensor, positions: torch.Tensor, attend: Callable, out_k: torch.Tensor | None,
-                   out_v: torch.Tensor | None, check: Check | None) -> torch.Tensor:
+                   out_v: torch.Tensor | None, check: Check | None, output: bool = True) -> torch.Tensor | None:
         """Run a block of n tokens through the decoder; attend(layer, q, k, v) -> [heads, n, hd] is its attention
         (over_segments or over_prefix) given the block's own q [heads, n, hd], k and v [KV, n, hd].
 
         x [n, hidden]; out_k/out_v [L, KV, n, hd] receive the block's K/V. Checks the budget between layers.
-        Returns the final hidden states [n, hidden]."""
+        Returns the final hidden states [n, hidden]; with output=False (a block that is only attended to: text,
+        frames, states) the last layer computes just its K/V (no query, attention or MLP) and returns None."""
         cos, sin = self.model.decoder.rope(positions, x.dtype)
-        n_layers = len(self.model.decoder.model.layers)
-        for i, layer in enumerate(self.model.decoder.model.layers):
-            if check is not None and not check(i / n_layers):
+        layers = self.model.decoder.model.layers
+        for i, layer in enumerate(layers):
+            if check is not None and not check(i / len(layers)):
                 raise StageAborted(f"stopped before decoder layer {i}")
+            if not output and i == len(layers) - 1:
+                k, v = layer.project_kv(x, cos, sin)
+                out_k[i].copy_(k)
+                out_v[i].copy_(v)
+                return None
             q, k, v = layer.project_qkv(x, cos, sin)
             if out_k is not None:
                 out_k[i].copy_(k)
@@ -271,7 +277,7 @@ class MultiRatePolicy:
         k_text, v_text = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         x = self.model.embed_text(torch.tensor(ids))
         self._run_block(x, torch.arange(n), self._over_segments(lambda layer: [], self._causal[:n, :n]), k_text, v_text,
-                        check)
+                        check, output=False)
         staged_text = lambda layer: [Segment(k_text[layer], v_text[layer], None)]  # noqa: E731
         # frames, each over the new text and itself
         frames = []
@@ -281,7 +287,8 @@ class MultiRatePolicy:
             k_f = self._stage_k[:, :, offset : offset + c.tokens_per_frame]
             v_f = self._stage_v[:, :, offset : offset + c.tokens_per_frame]
             positions = torch.tensor(c.vision_positions(slot))
-            self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f, check)
+            self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f, check,
+                            output=False)
             frames.append((frame_id, k_f, v_f, positions))
             offset += c.tokens_per_frame
         # commit: nothing above touched the cache
@@ -366,7 +373,7 @@ class MultiRatePolicy:
         self._frame_embeds[slot].copy_(x)
         frames.commit()
         self._after_commit()
-        return math.ceil(sum(frames.staged_rows) / len(frames.staged_rows))
+        return math.ceil(sum(frames.staged_rows) / max(len(frames.staged_rows), 1))
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
         c = self.config
@@ -375,7 +382,7 @@ class MultiRatePolicy:
         positions = torch.tensor(c.vision_positions(slot))
         k_f = self._stage_k[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
         v_f = self._stage_v[:, :, c.max_text_tokens : c.max_text_tokens + c.tokens_per_frame]
-        self._run_block(embeds, positions, self._over_segments(self._text_prefix, None), k_f, v_f, check)
+        self._run_block(embeds, positions, self._over_segments(self._text_prefix, None), k_f, v_f, check, output=False)
         # commit
         admission = self.vision.admit_frame(frame_id, k_f, v_f, positions, scene_cut=scene_cut)
         self._token_slots.copy_(admission.slots)
@@ -410,7 +417,7 @@ class MultiRatePolicy:
             attend = self._over_prefix(states=False)
         else:
             attend = self._over_segments(self._vision_prefix, self._eye[:n, :n])
-        self._run_block(self._state_embeds[valid], positions, attend, k_s, v_s, None)
+        self._run_block(self._state_embeds[valid], positions, attend, k_s, v_s, None, output=False)
         self.action.write(valid, k_s, v_s, positions, 0)
 
     @on_device

@@ -93,6 +93,16 @@ class LlamaDecoderLayer(nn.Module):
         v = a.v_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # -> [KV, T, hd]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> k and v [kv_heads, T, hd] (RoPE on k): all a last layer computes for tokens whose
+        output nothing reads (they are only attended to)."""
+        a = self.self_attn
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        k = a.k_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # [T, KV*hd] -> [KV, T, hd]
+        v = a.v_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)
+        return apply_rope(k, cos, sin), v
+
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn [heads, T, hd] -> the layer's output [T, hidden]."""
         t = x.shape[0]

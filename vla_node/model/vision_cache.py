@@ -177,13 +177,19 @@ class VisionTokenCache:
         x.add_(sm)
 
     def commit(self) -> None:
-        """Apply every staged refresh."""
-        for camera, staged in enumerate(self._staged):
-            if not staged:
-                continue
+        """Apply every staged refresh: a staged camera's state is whole in the staging buffers, so with every
+        camera staged the two sets of buffers swap (nothing copied); else the staged cameras are copied."""
+        if all(self._staged):
             for name in self._STATE:
-                getattr(self, name)[camera].copy_(self._stage[name][camera])
-            self.valid[camera] = True
+                live = getattr(self, name)
+                setattr(self, name, self._stage[name])
+                self._stage[name] = live
+        else:
+            for camera, staged in enumerate(self._staged):
+                if staged:
+                    for name in self._STATE:
+                        getattr(self, name)[camera].copy_(self._stage[name][camera])
+        self.valid = [valid or staged for valid, staged in zip(self.valid, self._staged)]
         self.discard()
 
     def discard(self) -> None:
@@ -204,6 +210,9 @@ class FrameTokenCache:
     K/V), so that the action queries see every token's change; it recomputes Q, attention, o_proj and the MLP only
     for the recomputed tokens (the gate's, plus those whose input drifted by more than `drift_threshold`); reused
     tokens recompute their attention with their cached query when `attend_all`. Staged like the tower cache.
+
+    The last layer computes only K/V: the vision tokens' final hidden states feed nothing (the action queries read
+    their K/V), so x_ref, q, attn_out, mlp_out and mid_ref hold the first L - 1 layers.
     """
 
     _STATE = ("x_ref", "q", "k", "v", "attn_out", "mlp_out", "mid_ref")
@@ -216,11 +225,11 @@ class FrameTokenCache:
         L, H, KV, hd = len(layers), a.heads, a.kv_heads, a.head_dim
         hidden = a.q_proj.in_features
         self.tokens, self.hidden, self.heads, self.kv_heads, self.head_dim = tokens, hidden, H, KV, hd
-        self.x_ref = torch.zeros(L, tokens, hidden, dtype=dtype)
-        self.q = torch.zeros(L, H, tokens, hd, dtype=dtype)
+        self.x_ref = torch.zeros(L - 1, tokens, hidden, dtype=dtype)
+        self.q = torch.zeros(L - 1, H, tokens, hd, dtype=dtype)
         self.k = torch.zeros(L, KV, tokens, hd, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.attn_out = torch.zeros(L, tokens, hidden, dtype=dtype)
+        self.attn_out = torch.zeros(L - 1, tokens, hidden, dtype=dtype)
         self.mlp_out = torch.zeros_like(self.attn_out)
         self.mid_ref = torch.zeros_like(self.attn_out)  # each MLP's input when last recomputed
         self._stage = {name: torch.zeros_like(getattr(self, name)) for name in self._STATE}
@@ -229,7 +238,7 @@ class FrameTokenCache:
         self.context: object = None  # what the cached state was computed against (the instruction); None = empty
         self._staged_context: object = None
         self._staged = False
-        self.staged_rows = [0] * L  # tokens recomputed per layer by the staged run (accounting)
+        self.staged_rows = [0] * (L - 1)  # tokens recomputed per layer but the last by the staged run (accounting)
 
     @property
     def staged_k(self) -> torch.Tensor:
@@ -262,13 +271,15 @@ class FrameTokenCache:
             if check is not None and not check(i / n_layers):
                 raise VisionStageAborted(f"stopped before decoder layer {i}")
             a = layer.self_attn
+            h = layer.input_layernorm(xs)  # [T, hidden]
+            s["k"][i].copy_(apply_rope(a.k_proj(h).reshape(T, KV, hd).transpose(0, 1), cos, sin))  # -> [KV, T, hd]
+            s["v"][i].copy_(a.v_proj(h).reshape(T, KV, hd).transpose(0, 1))
+            if i == n_layers - 1:
+                break
             rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask)  # [n]
             n = rows.numel()
             self.staged_rows[i] = n
             full = n == T
-            h = layer.input_layernorm(xs)  # [T, hidden]
-            s["k"][i].copy_(apply_rope(a.k_proj(h).reshape(T, KV, hd).transpose(0, 1), cos, sin))  # -> [KV, T, hd]
-            s["v"][i].copy_(a.v_proj(h).reshape(T, KV, hd).transpose(0, 1))
             sq, sx = s["q"][i], s["x_ref"][i]
             if full:
                 sq.copy_(apply_rope(a.q_proj(h).reshape(T, H, hd).transpose(0, 1), cos, sin))  # -> [H, T, hd]
@@ -307,10 +318,13 @@ class FrameTokenCache:
         self._staged, self._staged_context = True, context
 
     def commit(self) -> None:
+        """Apply the staged run: the staging buffers hold the whole new state, so the two sets swap."""
         if not self._staged:
             return
         for name in self._STATE:
-            getattr(self, name).copy_(self._stage[name])
+            live = getattr(self, name)
+            setattr(self, name, self._stage[name])
+            self._stage[name] = live
         self.context = self._staged_context
         self.discard()
 
