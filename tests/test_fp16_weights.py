@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from vla_node.config import ModelSection
 from vla_node.model import build_vla, preset
 from vla_node.model.fp16_weights import Fp16WeightLinear, fp16_weights_available, use_fp16_weights
+from vla_node.model.packed_weights import packed_weights_available
 from vla_node.multirate import CacheConfig, MultiRatePolicy
 from vla_node.reference import ReferencePolicy
 from vla_node.validate import ConfigError
@@ -60,8 +61,9 @@ def test_swap_refuses_a_model_that_is_not_fp32():
 def test_config_names_the_key_and_what_is_allowed():
     assert ModelSection(weights="fp16").resolved_weights == "fp16"
     assert ModelSection(weights="auto").resolved_weights == "fp16"  # fp32 compute on this x86 CPU
-    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "bf16"
-    with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32', 'fp16' or 'auto'"):
+    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == ("packed" if packed_weights_available()
+                                                                           else "bf16")
+    with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32', 'fp16', 'packed' or 'auto'"):
         ModelSection(weights="int4")
     with pytest.raises(ConfigError, match=r"model.weights = 'fp16': expected 'fp32' with dtype 'bf16'"):
         ModelSection(weights="fp16", dtype="bf16")
@@ -70,7 +72,7 @@ def test_config_names_the_key_and_what_is_allowed():
 def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_hardware(monkeypatch):
     import vla_node.model.fp16_weights as precision
 
-    for has_bf16, dtype, weights in ((True, "bf16", "bf16"), (False, "fp32", "fp16")):
+    for has_bf16, dtype, weights in ((True, "bf16", "packed"), (False, "fp32", "fp16")):
         monkeypatch.setattr(precision, "cpu_has_bf16", lambda: has_bf16)
         section = ModelSection(dtype="auto", weights="auto")
         assert (section.resolved_dtype, section.resolved_weights) == (dtype, weights)

@@ -32,8 +32,9 @@ class ModelSection:
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 | auto (bf16 on a GPU or a CPU with bf16 hardware, else fp32)
-    # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | auto (fp16
-    # where that works: fp32 compute on an x86 CPU; else the compute dtype)
+    # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | packed (bf16
+    # compute on a CPU with bf16 hardware: prepacked for oneDNN, MLP activations fused) | auto (fp16 with fp32
+    # compute on an x86 CPU, packed with bf16 compute on a CPU that has it; else the compute dtype)
     weights: str = "fp32"
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N
     backend: str = "torch"  # torch (the only backend of this release)
@@ -45,7 +46,8 @@ class ModelSection:
         if self.checkpoint is None:
             choose("model.preset", self.preset, PRESETS)
         require(self.dtype in ("fp32", "bf16", "fp16", "auto"), "model.dtype", self.dtype, "fp32, bf16, fp16 or auto")
-        require(self.weights in ("fp32", "fp16", "auto"), "model.weights", self.weights, "'fp32', 'fp16' or 'auto'")
+        require(self.weights in ("fp32", "fp16", "packed", "auto"), "model.weights", self.weights,
+                "'fp32', 'fp16', 'packed' or 'auto'")
         if self.weights == "fp16":
             from vla_node.model.fp16_weights import fp16_weights_available
 
@@ -54,6 +56,14 @@ class ModelSection:
                     "the CPU)")
             require(fp16_weights_available(), "model.weights", self.weights,
                     "'fp32' here: fp16 weights need torch's fbgemm backend (x86-64 CPUs)")
+        if self.weights == "packed":
+            from vla_node.model.packed_weights import packed_weights_available
+
+            require(self.resolved_dtype == "bf16" and self.device == "cpu", "model.weights", self.weights,
+                    f"'fp32' with dtype {self.resolved_dtype!r} on {self.device!r} (packed weights take bf16 compute "
+                    "on the CPU)")
+            require(packed_weights_available(), "model.weights", self.weights,
+                    "'fp32' here: packed bf16 weights need oneDNN and a CPU with bf16 hardware (AVX512-BF16 or AMX)")
         require(self.backend == "torch", "model.backend", self.backend, "'torch'")
         require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                 "model.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
@@ -73,14 +83,21 @@ class ModelSection:
 
     @property
     def resolved_weights(self) -> str:
-        """How the linear weights are stored on this machine: 'fp16' (fbgemm, fp32 compute) or the compute dtype."""
-        if self.weights == "fp16":
-            return "fp16"
-        from vla_node.model.fp16_weights import fp16_weights_available
-
+        """How the linear weights are stored on this machine: 'fp16' (fbgemm, fp32 compute), 'packed' (oneDNN,
+        bf16 compute) or the compute dtype."""
+        if self.weights in ("fp16", "packed"):
+            return self.weights
         dtype = self.resolved_dtype
-        fp16 = self.weights == "auto" and dtype == "fp32" and self.device == "cpu" and fp16_weights_available()
-        return "fp16" if fp16 else dtype
+        if self.weights != "auto" or self.device != "cpu":
+            return dtype
+        from vla_node.model.fp16_weights import fp16_weights_available
+        from vla_node.model.packed_weights import packed_weights_available
+
+        if dtype == "fp32" and fp16_weights_available():
+            return "fp16"
+        if dtype == "bf16" and packed_weights_available():
+            return "packed"
+        return dtype
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

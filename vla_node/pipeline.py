@@ -19,6 +19,7 @@ import torch
 from vla_node.config import NodeConfig
 from vla_node.model import build_vla, load_checkpoint, preset
 from vla_node.model.fp16_weights import use_fp16_weights
+from vla_node.model.packed_weights import use_packed_weights
 from vla_node.multirate import MultiRatePolicy, StageAborted
 from vla_node.protocol import Frame
 from vla_node.reuse import ReuseGate
@@ -72,7 +73,12 @@ def load_model(config: NodeConfig, preset_name: str | None = None, text_tokens: 
     """The main engine's model, or with `preset_name` the smaller engine's, given the main engine's text capacity
     (`text_tokens`) so that every instruction the main engine takes fits it too."""
     model = _build_model(config, preset_name, text_tokens)
-    return use_fp16_weights(model) if config.model.resolved_weights == "fp16" else model
+    weights = config.model.resolved_weights
+    if weights == "fp16":
+        return use_fp16_weights(model)
+    if weights == "packed":
+        return use_packed_weights(model.to(torch.bfloat16))
+    return model
 
 
 def _build_model(config: NodeConfig, preset_name: str | None, text_tokens: int | None):

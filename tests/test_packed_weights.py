@@ -1,0 +1,134 @@
+"""Packed bf16 weights (oneDNN) with fused MLP activations: the same products as F.linear, the same model outputs
+within bf16 rounding, the cache still exact against the reference on the same packed model."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vla_node.config import ModelSection
+from vla_node.model import build_vla, preset
+from vla_node.model.packed_weights import PackedLinear, packed_weights_available, use_packed_weights
+from vla_node.multirate import CacheConfig, MultiRatePolicy
+from vla_node.reference import ReferencePolicy
+from vla_node.validate import ConfigError
+
+pytestmark = pytest.mark.unit
+needs_packed = pytest.mark.skipif(not packed_weights_available(),
+                                  reason="packed bf16 weights need oneDNN and a CPU with AVX512-BF16 or AMX")
+
+
+def _linear(bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(48, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
+
+
+def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| in units of bf16 spacing at |expected| (one rounding = 0.5 to 1)."""
+    spacing = expected.float().abs().clamp_min(1e-3) * 2.0**-7
+    return float(((got.float() - expected.float()).abs() / spacing).max())
+
+
+@needs_packed
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(48,), (1, 48), (17, 48), (2, 3, 48)])
+def test_packed_linear_equals_f_linear_bit_for_bit(bias, shape):
+    linear = _linear(bias)
+    x = torch.randn(shape).to(torch.bfloat16)
+    got = PackedLinear(linear)(x)
+    assert got.shape == (*shape[:-1], 40) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=0, atol=0)
+
+
+@needs_packed
+@pytest.mark.parametrize("activation, reference", [
+    ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
+    ("silu", F.silu),
+])
+def test_fused_activation_is_applied_before_the_bf16_rounding(activation, reference):
+    linear = _linear(True)
+    x = torch.randn(64, 48).to(torch.bfloat16)
+    expected = reference(F.linear(x.float(), linear.weight.float(), linear.bias.float()))  # fp32 all the way
+    got = PackedLinear(linear, activation)(x)
+    unfused = reference(F.linear(x, linear.weight, linear.bias))  # rounds to bf16 twice
+    assert _bf16_ulps(got, expected) <= _bf16_ulps(unfused, expected) + 1.0
+
+
+@needs_packed
+def test_times_fuses_the_product():
+    linear, other = _linear(False), torch.randn(17, 40).to(torch.bfloat16)
+    x = torch.randn(17, 48).to(torch.bfloat16)
+    expected = F.linear(x.float(), linear.weight.float()) * other.float()
+    assert _bf16_ulps(PackedLinear(linear).times(x, other), expected) <= 2.0
+
+
+@needs_packed
+def test_every_linear_is_packed_and_the_model_keeps_its_outputs_state_dict_and_copies():
+    config = preset("tiny")
+    plain = build_vla(config, seed=4).to(torch.bfloat16)
+    packed = use_packed_weights(copy.deepcopy(plain))
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(packed.state_dict()[key], value, rtol=0, atol=0)
+    rng = np.random.default_rng(0)
+    frame, state = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), np.zeros(config.state_dim, np.float32)
+    ours = ReferencePolicy(packed, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    theirs = ReferencePolicy(plain, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    rel = torch.linalg.vector_norm(ours - theirs) / torch.linalg.vector_norm(theirs)
+    assert rel.item() < 2e-2  # bf16 compute: fused activations round once instead of twice
+    clone = copy.deepcopy(packed)  # re-packs from the kept weights
+    again = ReferencePolicy(clone, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    torch.testing.assert_close(again, ours, rtol=0, atol=0)
+
+
+@needs_packed
+def test_the_cache_stays_exact_against_the_reference_on_the_packed_model():
+    """Incremental decoding on the packed model equals full recompute on the same packed model: the weights
+    change the model, not the cache's exactness (all-fp32 partitions, bf16 compute on both sides)."""
+    config = preset("tiny").replace(vision_frames=2)
+    model = use_packed_weights(build_vla(config, seed=3).to(torch.bfloat16))
+    reference = ReferencePolicy(model, torch.bfloat16)
+    policy = MultiRatePolicy(model, CacheConfig.exact(), torch.bfloat16)
+    rng = np.random.default_rng(1)
+    policy.update_text("follow the lane")
+    for _ in range(3):
+        frame = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        state = rng.normal(size=config.state_dim).astype(np.float32)
+        policy.update_vision(policy.prepare_frames([frame]))
+        ours, theirs = policy.action_tick(state).logits.float(), reference.step([frame], "follow the lane", state)
+        rel = torch.linalg.vector_norm(ours - theirs.logits.float()) / torch.linalg.vector_norm(theirs.logits.float())
+        assert rel.item() < 2e-2  # bf16 compute, different block shapes: rounding only
+
+
+@needs_packed
+def test_bad_dtypes_are_refused_with_what_was_expected():
+    with pytest.raises(ValueError, match="bf16 CPU nn.Linear, got torch.float32"):
+        PackedLinear(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        PackedLinear(_linear(True), "relu")
+    linear = PackedLinear(_linear(True))
+    with pytest.raises(RuntimeError, match=r"takes a bf16 CPU input \[..., 48\], got torch.float32 \(3, 48\)"):
+        linear(torch.randn(3, 48))
+    model = use_packed_weights(build_vla(preset("tiny")).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="packed weights stay bf16 on the CPU"):
+        model.to(torch.float32)
+    with pytest.raises(ValueError, match="bf16 CPU nn.Linear"):
+        use_packed_weights(build_vla(preset("tiny")))
+
+
+def test_config_takes_packed_only_with_bf16_compute_on_a_cpu_that_has_it(monkeypatch):
+    import vla_node.model.fp16_weights as precision
+
+    with pytest.raises(ConfigError, match=r"model.weights = 'packed': expected 'fp32' with dtype 'fp32' on 'cpu'"):
+        ModelSection(weights="packed", dtype="fp32")
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.weights = 'packed': expected 'fp32' here: packed bf16 weights"):
+        ModelSection(weights="packed", dtype="bf16")
+    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "bf16"
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    assert ModelSection(weights="packed", dtype="bf16").resolved_weights == "packed"
+    assert ModelSection(weights="auto", dtype="auto").resolved_weights == "packed"
+    assert ModelSection(weights="auto", dtype="bf16", device="cuda").resolved_weights == "bf16"
