@@ -1,7 +1,7 @@
 """`vla-node bench cache`: the multi-rate KV cache against full recompute, measured side by side in one run.
 
     python -m vla_node.bench_cache [--preset small] [--iters 5] [--threads 1] [--compute-dtype auto|fp32|bf16]
-                                   [--weights fp16|fp32] [--json F]
+                                   [--weights fp16|fp32|packed] [--json F]
 
 Compute dtype: fp32 (as launch/cpu.toml), bf16, or auto (bf16 where the CPU has bf16 hardware: AVX512-BF16, AMX);
 the reference and transformers compute in the same dtype.
@@ -13,10 +13,14 @@ What it measures (same weights, same synthetic 640x480 frame, one process, one t
     action_tick_after_commit_ms: the tick that follows a text or vision update, which also recomputes the
     stored states (the "vision update + tick" ratio uses it);
   - hf_generate_ms: transformers' LlamaForCausalLM.generate on the same decoder weights and tokens
-    (bench_model.hf_generate_ms, our compute dtype, its linear weights as ours);
-  - weights (fp32 compute): every linear layer's weights fp16 (fbgemm; the default where fbgemm exists, as in
-    launch/cpu.toml) or fp32, for every policy, the reference and transformers alike; with fp16 weights the
-    fp32-weight action tick and reference step are timed in the same rounds too;
+    (bench_model.hf_generate_step, our compute dtype, with fp16 weights its linear weights as ours), in the same
+    rounds;
+  - weights: with fp32 compute every linear layer's weights fp16 (fbgemm; the default where fbgemm exists, as in
+    launch/cpu.toml) or fp32, for every policy, the reference and transformers alike (fp16 weights change the
+    numbers); with bf16 compute the weights prepacked for oneDNN with fused MLP activations ("packed", the default
+    where the CPU has bf16 hardware) or plain, for every policy and the reference; transformers keeps its own
+    kernels (packing is our engine, not a change of precision). With fp16 or packed weights the plain-weight
+    action tick, vision update and reference step are timed in the same rounds too;
   - kv bytes per partition, and the vision partition's bytes if it were stored in fp16;
   - segmented vs gather attention (action tick and vision update);
   - the INT8 effect: the default cache against the all-fp32 cache over a short sequence;
@@ -41,11 +45,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.bench_model import hf_generate_ms
+from vla_node.bench_model import hf_generate_step
 from vla_node.kv import KVPartition, VisionMemoryConfig
 from vla_node.kv.vision_config import POLICIES
 from vla_node.model import ModelConfig, build_vla, preset
 from vla_node.model.fp16_weights import cpu_has_bf16, fp16_weights_available, use_fp16_weights
+from vla_node.model.packed_weights import packed_weights_available, use_packed_weights
 from vla_node.model.vla import VLA
 from vla_node.multirate import CacheConfig, MultiRatePolicy
 from vla_node.reference import ActionChunk, ReferencePolicy
@@ -167,9 +172,12 @@ def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path:
         compute_dtype = "bf16" if cpu_has_bf16() and weights != "fp16" else "fp32"
     dtype = choose("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     if weights is None:
-        weights = "fp16" if fp16_weights_available() and dtype == torch.float32 else "fp32"
-    require(weights == "fp32" or (weights == "fp16" and dtype == torch.float32 and fp16_weights_available()),
-            "weights", weights, "'fp32', or 'fp16' with fp32 compute on an x86 CPU (fbgemm)")
+        weights = ("fp16" if dtype == torch.float32 and fp16_weights_available()
+                   else "packed" if dtype == torch.bfloat16 and packed_weights_available() else "fp32")
+    require(weights == "fp32" or (weights == "fp16" and dtype == torch.float32 and fp16_weights_available())
+            or (weights == "packed" and dtype == torch.bfloat16 and packed_weights_available()),
+            "weights", weights, "'fp32', 'fp16' with fp32 compute on an x86 CPU (fbgemm), or 'packed' with bf16 "
+            "compute on a CPU with bf16 hardware (oneDNN)")
     for key, value, least in (("iters", iters, 1), ("threads", threads, 1), ("deviation_frames", deviation_frames, 2),
                               ("policy_frames", policy_frames, 2)):
         require(isinstance(value, int) and not isinstance(value, bool) and value >= least, key, value,
@@ -199,6 +207,8 @@ def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, 
     model = base if dtype == torch.float32 else _converted(base, dtype)
     if weights == "fp16":
         model = use_fp16_weights(copy.deepcopy(base))
+    elif weights == "packed":
+        model = use_packed_weights(_converted(base, dtype))
 
     results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype, weights))
     exact_model = model if dtype == torch.float32 else base  # fp32 compute with the same weights
@@ -222,8 +232,9 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
     default_mode = CacheConfig().attention
     other_mode = "segmented" if default_mode == "gather" else "gather"
     policies = {mode: MultiRatePolicy(model, CacheConfig(attention=mode), dtype) for mode in (default_mode, other_mode)}
-    if weights == "fp16":  # (MultiRatePolicy converts its model in place: base only ever at fp32)
-        policies["fp32 weights"] = MultiRatePolicy(base, CacheConfig(), dtype)
+    plain = base if weights == "fp16" else _converted(base, dtype)  # the same weights, not fp16 / not packed
+    if weights in ("fp16", "packed"):  # (MultiRatePolicy converts its model in place: base only ever at fp32)
+        policies["plain weights"] = MultiRatePolicy(plain, CacheConfig(), dtype)
     reference = ReferencePolicy(model, dtype)
     images = policies[default_mode].prepare_frames([frame])
     for policy in policies.values():  # steady state: text, a frame, a full ring of states
@@ -245,18 +256,19 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
         f"{other_mode}_action_tick": lambda: other.action_tick(state),
         f"{other_mode}_vision_update": lambda: other.update_vision(images),
     }
-    if weights == "fp16":  # the same stages with fp32 weights, in the same rounds
-        fp32_weights, fp32_reference = policies["fp32 weights"], ReferencePolicy(base)
-        cases["fp32_weights_action_tick"] = lambda: fp32_weights.action_tick(state)
-        cases["fp32_weights_reference_step"] = lambda: fp32_reference.step([frame], INSTRUCTION, state)
+    if weights in ("fp16", "packed"):  # the same stages with plain weights, in the same rounds
+        plain_policy, plain_reference = policies["plain weights"], ReferencePolicy(plain, dtype)
+        cases["plain_weights_action_tick"] = lambda: plain_policy.action_tick(state)
+        cases["plain_weights_vision_update"] = lambda: plain_policy.update_vision(images)
+        cases["plain_weights_reference_step"] = lambda: plain_reference.step([frame], INSTRUCTION, state)
+    cases["hf_generate"] = hf_generate_step(base, ReferencePolicy(base), frame, INSTRUCTION,
+                                            fp16_weights=weights == "fp16", dtype=dtype)
     timing = interleaved_ms(cases, iters)
+    compute_name = "fp32" if dtype == torch.float32 else "bf16"
+    hf_weights = "fp16" if weights == "fp16" else compute_name  # transformers' own kernels, never packed
     for name, t in timing.items():
-        print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})",
-              flush=True)
-    hf = hf_generate_ms(base, ReferencePolicy(base), frame, iters, INSTRUCTION, fp16_weights=weights == "fp16",
-                        dtype=dtype)
-    print(f"  {'hf_generate_ms':28s} {hf['median']:9.1f}  (min {hf['min']:.1f}, max {hf['max']:.1f}, n={iters}, "
-          f"{weights} weights)", flush=True)
+        print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})"
+              + (f", {hf_weights} weights" if name == "hf_generate" else ""), flush=True)
     ms = {name: round(t["median"], 2) for name, t in timing.items()}
     kv = main.kv_bytes()
     fp16 = vision_fp16_bytes(main)
@@ -266,10 +278,10 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
         "vision_update_ms": ms["vision_update"],
         "text_update_ms": ms["text_update"],
         "reference_step_ms": ms["reference_step"],
-        "reference_dtype": "fp32" if dtype == torch.float32 else "bf16",
-        "hf_generate_ms": round(hf["median"], 2),
-        "hf_dtype": "fp32" if dtype == torch.float32 else "bf16",  # timed in its own loop, right after the rounds
-        "hf_weights": weights,
+        "reference_dtype": compute_name,
+        "hf_generate_ms": ms["hf_generate"],
+        "hf_dtype": compute_name,
+        "hf_weights": hf_weights,
         "timing_spread_ms": {name: [round(t["min"], 2), round(t["max"], 2)] for name, t in timing.items()},
         "kv_bytes": kv,
         "kv_bytes_total": sum(kv.values()),
@@ -278,13 +290,15 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
         "reference_step_over_action_tick": round(ms["reference_step"] / ms["action_tick"], 2),
         # the tick that follows a vision update recomputes the stored states (see multirate.py)
         "hf_generate_over_vision_update_plus_action_tick":
-            round(hf["median"] / (ms["vision_update"] + ms["action_tick_after_commit"]), 2),
+            round(ms["hf_generate"] / (ms["vision_update"] + ms["action_tick_after_commit"]), 2),
     }
-    if weights == "fp16":
-        out["fp32_weights"] = {
-            "action_tick_ms": ms["fp32_weights_action_tick"], "reference_step_ms": ms["fp32_weights_reference_step"],
+    if weights in ("fp16", "packed"):
+        out["plain_weights"] = {
+            "weights": "fp32" if weights == "fp16" else compute_name,
+            "action_tick_ms": ms["plain_weights_action_tick"], "vision_update_ms": ms["plain_weights_vision_update"],
+            "reference_step_ms": ms["plain_weights_reference_step"],
             "reference_step_over_action_tick":
-                round(ms["fp32_weights_reference_step"] / ms["fp32_weights_action_tick"], 2)}
+                round(ms["plain_weights_reference_step"] / ms["plain_weights_action_tick"], 2)}
     out["targets"] = {key: {"target": target, "measured": out[key], "met": out[key] >= target}
                       for key, target in TARGETS.items()}
     modes = {default_mode: ("action_tick", "vision_update"),
@@ -384,10 +398,11 @@ def _print_summary(r: dict) -> None:
         print(f"{key:34s} {r[key]:10.1f}")
     for key, t in r["targets"].items():
         print(f"{key:48s} {t['measured']:7.2f}x  (target >= {t['target']:g}: {'met' if t['met'] else 'NOT met'})")
-    if "fp32_weights" in r:
-        f = r["fp32_weights"]
-        print(f"with fp32 weights (same rounds): action tick {f['action_tick_ms']:.1f} ms, reference step "
-              f"{f['reference_step_ms']:.1f} ms, ratio {f['reference_step_over_action_tick']:.2f}x")
+    if "plain_weights" in r:
+        f = r["plain_weights"]
+        print(f"with plain {f['weights']} weights (same rounds): action tick {f['action_tick_ms']:.1f} ms, vision "
+              f"update {f['vision_update_ms']:.1f} ms, reference step {f['reference_step_ms']:.1f} ms, ratio "
+              f"{f['reference_step_over_action_tick']:.2f}x")
     print("kv bytes: " + ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in r["kv_bytes"].items())
           + f"; vision in fp16 would be {r['vision_kv_bytes_fp16_equivalent'] / mib:.3f} MiB "
             f"(int8/fp16 = {r['vision_int8_over_fp16']:.3f})")
@@ -419,8 +434,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--compute-dtype", choices=["auto", *sorted(COMPUTE_DTYPES)], default="fp32",
                         help="auto: bf16 where the CPU has bf16 hardware (AVX512-BF16, AMX), else fp32")
-    parser.add_argument("--weights", choices=["fp16", "fp32"], default=None,
-                        help="linear weights of every model timed (default: fp16 where fbgemm exists, else fp32)")
+    parser.add_argument("--weights", choices=["fp16", "fp32", "packed"], default=None,
+                        help="linear weights of every model timed (default: fp16 with fp32 compute where fbgemm "
+                             "exists, packed with bf16 compute where the CPU has bf16 hardware, else fp32)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, compute_dtype=args.compute_dtype,

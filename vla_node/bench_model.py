@@ -7,6 +7,7 @@ import copy
 import json
 import platform
 import tempfile
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,8 +24,14 @@ INSTRUCTION = "keep the lane, follow the car ahead"
 def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int,
                    instruction: str = INSTRUCTION, fp16_weights: bool = False,
                    dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix embeddings
-    (text, vision, state), then H*D new tokens, greedy, its default dynamic cache. `model` is fp32; with
+    """Time hf_generate_step (below) `iters` times."""
+    return time_ms(hf_generate_step(model, policy, frame, instruction, fp16_weights, dtype), iters)
+
+
+def hf_generate_step(model, policy: ReferencePolicy, frame: np.ndarray, instruction: str = INSTRUCTION,
+                     fp16_weights: bool = False, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
+    """One frame through transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix
+    embeddings (text, vision, state), then H*D new tokens, greedy, its default dynamic cache. `model` is fp32; with
     fp16_weights both transformers' decoder and the model computing the prefix get fp16 weights (the same
     swap as ours), with dtype bf16 both compute in bf16, so that the comparison is at one precision."""
     import transformers
@@ -49,7 +56,7 @@ def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int
             hf.generate(inputs_embeds=prefix[None], max_new_tokens=c.action_tokens, min_new_tokens=c.action_tokens,
                         do_sample=False, pad_token_id=258)
 
-    return time_ms(run, iters)
+    return run
 
 
 def run(preset_name: str = "small", iters: int = 5, iters_bf16: int = 2, threads: int = 1,
