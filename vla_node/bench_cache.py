@@ -232,8 +232,8 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
     default_mode = CacheConfig().attention
     other_mode = "segmented" if default_mode == "gather" else "gather"
     policies = {mode: MultiRatePolicy(model, CacheConfig(attention=mode), dtype) for mode in (default_mode, other_mode)}
-    plain = base if weights == "fp16" else _converted(base, dtype)  # the same weights, not fp16 / not packed
-    if weights in ("fp16", "packed"):  # (MultiRatePolicy converts its model in place: base only ever at fp32)
+    if weights in ("fp16", "packed"):  # the same weights, neither fp16 nor packed
+        plain = base if weights == "fp16" else _converted(base, dtype)  # (a policy converts its model in place)
         policies["plain weights"] = MultiRatePolicy(plain, CacheConfig(), dtype)
     reference = ReferencePolicy(model, dtype)
     images = policies[default_mode].prepare_frames([frame])

@@ -1,0 +1,48 @@
+"""`vla-node bench cache` end to end on the tiny preset: every figure the issue names is there, measured in one run,
+with the weights each compute dtype gets by default."""
+
+import json
+
+import pytest
+
+from vla_node import bench_cache
+from vla_node.model.fp16_weights import fp16_weights_available
+from vla_node.model.packed_weights import packed_weights_available
+from vla_node.validate import ConfigError
+
+pytestmark = pytest.mark.unit
+
+KEYS = ("action_tick_ms", "action_tick_after_commit_ms", "vision_update_ms", "text_update_ms", "reference_step_ms",
+        "hf_generate_ms", "kv_bytes", "vision_kv_bytes_fp16_equivalent")
+
+
+def _run(tmp_path, compute_dtype):
+    path = tmp_path / "cache.json"
+    result = bench_cache.run("tiny", iters=1, json_path=str(path), compute_dtype=compute_dtype, deviation_frames=2,
+                             policy_frames=2)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    for key in KEYS:
+        assert key in result, key
+    assert set(result["kv_bytes"]) == {"text", "vision", "action"}
+    assert all(result[key] > 0 for key in KEYS if key.endswith("_ms"))
+    for key, target in result["targets"].items():
+        assert target["met"] == (result[key] >= target["target"])
+    return result
+
+
+@pytest.mark.skipif(not fp16_weights_available(), reason="fbgemm (x86-64) is not in this torch")
+def test_fp32_compute_times_fp16_weights_against_plain_fp32_ones(tmp_path):
+    result = _run(tmp_path, "fp32")
+    assert (result["weights"], result["hf_weights"], result["plain_weights"]["weights"]) == ("fp16", "fp16", "fp32")
+
+
+@pytest.mark.skipif(not packed_weights_available(), reason="packed bf16 weights need oneDNN and AVX512-BF16 or AMX")
+def test_bf16_compute_times_packed_weights_against_plain_bf16_ones_and_transformers_unpacked(tmp_path):
+    result = _run(tmp_path, "bf16")
+    assert (result["weights"], result["hf_weights"], result["plain_weights"]["weights"]) == ("packed", "bf16", "bf16")
+    assert result["reference_dtype"] == result["hf_dtype"] == "bf16"
+
+
+def test_weights_that_do_not_fit_the_compute_dtype_are_named():
+    with pytest.raises(ConfigError, match="weights = 'packed': expected 'fp32', 'fp16' with fp32 compute"):
+        bench_cache.run("tiny", iters=1, compute_dtype="fp32", weights="packed")
