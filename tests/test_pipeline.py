@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vla_node.config import load_launch
+from vla_node.model.packed_weights import PackedLinear, packed_weights_available
 from vla_node.pipeline import Pipeline
 from vla_node.protocol import Frame
 from vla_node.scheduler import TickStatus
@@ -70,3 +71,18 @@ def test_every_launch_file_builds_its_engines_and_warms_up(name):
     assert {p.config.max_text_tokens for p in engines} == {pipeline.policy.config.max_text_tokens}
     assert all(p.instruction == config.model.instruction for p in engines)
     assert all(v > 0 for v in priors.values()), priors
+
+
+@pytest.mark.skipif(not packed_weights_available(), reason="packed bf16 weights need oneDNN and AVX512-BF16 or AMX")
+def test_bf16_compute_with_auto_weights_runs_packed_weights_through_the_pipeline():
+    config = load_launch(TINY)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bf16", weights="auto"))
+    clock = Clock()
+    pipeline = Pipeline(config, clock)
+    assert isinstance(pipeline.policy.model.decoder.lm_head, PackedLinear)
+    pipeline.warm_up(rounds=1)
+    for seq in range(3):
+        pipeline.process([frame(seq, clock.now, 40)], None, np.ones(4, np.float32))
+        out = pipeline.broker.next(clock.now)
+        assert out.status is TickStatus.FRESH and np.isfinite(out.action).all()
+        clock.now += 100_000_000
