@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from vla_node.config import load_launch
 from vla_node.model.packed_weights import PackedLinear, packed_weights_available
@@ -86,3 +87,14 @@ def test_bf16_compute_with_auto_weights_runs_packed_weights_through_the_pipeline
         out = pipeline.broker.next(clock.now)
         assert out.status is TickStatus.FRESH and np.isfinite(out.action).all()
         clock.now += 100_000_000
+
+
+def test_fp16_compute_on_the_cpu_runs_plain_fp16_weights():
+    """weights auto with fp16 compute resolves to 'fp16', but fbgemm's fp16 weights take fp32 compute only: the
+    pipeline keeps plain fp16 weights (it used to swap in fbgemm's and fail at warm-up)."""
+    config = load_launch(TINY)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="fp16", weights="auto"))
+    pipeline = Pipeline(config)
+    assert type(pipeline.policy.model.decoder.lm_head) is torch.nn.Linear
+    assert pipeline.policy.model.decoder.lm_head.weight.dtype == torch.float16
+    assert all(v > 0 for v in pipeline.warm_up(rounds=1).values())

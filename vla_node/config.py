@@ -83,8 +83,8 @@ class ModelSection:
 
     @property
     def resolved_weights(self) -> str:
-        """How the linear weights are stored on this machine: 'fp16' (fbgemm, fp32 compute), 'packed' (oneDNN,
-        bf16 compute) or the compute dtype."""
+        """How the linear weights are stored on this machine: 'fp16' (with fp32 compute: fbgemm's), 'packed'
+        (oneDNN, bf16 compute) or the compute dtype."""
         if self.weights in ("fp16", "packed"):
             return self.weights
         dtype = self.resolved_dtype

@@ -74,7 +74,7 @@ def load_model(config: NodeConfig, preset_name: str | None = None, text_tokens: 
     (`text_tokens`) so that every instruction the main engine takes fits it too."""
     model = _build_model(config, preset_name, text_tokens)
     weights = config.model.resolved_weights
-    if weights == "fp16":
+    if weights == "fp16" and config.model.resolved_dtype == "fp32":  # fbgemm's (fp16 compute: plain weights)
         return use_fp16_weights(model)
     if weights == "packed":
         return use_packed_weights(model.to(torch.bfloat16))
