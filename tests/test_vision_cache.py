@@ -157,3 +157,44 @@ def test_aborted_partial_update_leaves_both_caches_as_they_were():
     after = [policy.tower_cache.out, policy.tower_cache.mlp_out, frame_cache.k, frame_cache.mlp_out,
              policy.vision.partitions[0].k]
     assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
+
+
+def test_layer_budget_adds_the_most_drifted_rows_never_unmoved_ones():
+    from vla_node.model.vision_cache import drifted_rows
+
+    x_ref = torch.ones(6, 4)
+    x = x_ref.clone()
+    x[1] += 0.5  # drift 0.5
+    x[3] += 2.0  # drift 2.0
+    x[4] += 1.0  # drift 1.0
+    mask = torch.zeros(6, dtype=torch.bool)
+    base = torch.tensor([0])
+    assert drifted_rows(x, x_ref, base, None, mask).tolist() == [0]  # no threshold, no budget: the gate's only
+    assert drifted_rows(x, x_ref, base, None, mask, budget=2.0).tolist() == [0, 3]  # 2 rows: the most drifted
+    assert drifted_rows(x, x_ref, base, None, mask, budget=3.0).tolist() == [0, 3, 4]
+    assert drifted_rows(x, x_ref, base, None, mask, budget=6.0).tolist() == [0, 1, 3, 4]  # 2, 5: not moved
+    assert drifted_rows(x, x_ref, base, 0.75, mask).tolist() == [0, 3, 4]  # threshold alone
+    assert drifted_rows(x, x_ref, base, 0.75, mask, budget=4.0).tolist() == [0, 1, 3, 4]  # threshold, then top-up
+    assert drifted_rows(x, x_ref, None, None, mask, budget=2.0).tolist() == list(range(6))  # full: every row
+
+
+def test_layer_budget_recomputes_more_tokens_per_layer_and_nothing_on_a_still_frame():
+    from vla_node.reuse import ReuseConfig
+    from vla_node.validate import ConfigError
+
+    model = build_vla(CONFIG, seed=4)
+    budget = MultiRatePolicy(model, CacheConfig.exact(), reuse=ReuseConfig(layer_budget=3.0))
+    assert budget.tower_cache.layer_budget == budget._frame_tokens.layer_budget == 3.0
+    budget.update_text("keep lane")
+    frames = list(moving(2, seed=5))
+    budget.update_vision(frames[0][None])
+    tokens = changed_tokens(frames[0], frames[1])
+    update = budget.update_vision(frames[1][None], [tokens])
+    assert tokens.numel() < update.tokens_refreshed <= 3 * tokens.numel()
+    assert all(tokens.numel() < rows <= 3 * tokens.numel() for rows in budget._frame_tokens.staged_rows)
+    before = budget.action_tick(np.zeros(CONFIG.state_dim, np.float32)).logits
+    still = budget.update_vision(frames[1][None], [torch.zeros(0, dtype=torch.long)])
+    assert still.tokens_refreshed == 0
+    assert torch.equal(budget.action_tick(np.zeros(CONFIG.state_dim, np.float32)).logits, before)
+    with pytest.raises(ConfigError, match=r"reuse.layer_budget = 0.5: expected unset \(off\) or a multiple >= 1"):
+        ReuseConfig(layer_budget=0.5)

@@ -50,6 +50,7 @@ two threads several times slower.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -224,9 +225,10 @@ class ReuseRun:
 
 def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: ModelConfig, *, seed: int = 0,
                  cache: str = "default", pixel_floor: bool = False, label: str = "",
-                 progress: bool = True, weights: str = "fp32") -> dict[float, dict]:
+                 progress: bool = True, weights: str = "fp32", reuse: ReuseConfig = ReuseConfig()) -> dict[float, dict]:
     """One pass over `frames` (uint8 [S, S, 3] at the model's size): reference, full refresh and one reuse run per
-    threshold, side by side. Returns {threshold: figures} (see the module docstring)."""
+    threshold, side by side; every reuse run takes `reuse` with its threshold. Returns {threshold: figures} (see the
+    module docstring)."""
     cache_config = CACHES[cache]()
     model = build_vla(config, seed=seed)  # fp32 compute; shared by every policy (they only read it)
     if weights == "fp16":
@@ -234,8 +236,11 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
     reference = ReferencePolicy(model)
     full = MultiRatePolicy(model, cache_config)
     span = np.asarray(config.action_high, np.float64) - np.asarray(config.action_low, np.float64)  # [D]
-    runs = {t: ReuseRun(GatedPolicy(MultiRatePolicy(model, cache_config), ReuseConfig(threshold=float(t))),
-                        Deviation(span), Deviation(span), ReferencePolicy(model) if pixel_floor else None)
+    def gated(threshold: float) -> GatedPolicy:
+        knobs = dataclasses.replace(reuse, threshold=float(threshold))
+        return GatedPolicy(MultiRatePolicy(model, cache_config, reuse=knobs), knobs)
+
+    runs = {t: ReuseRun(gated(t), Deviation(span), Deviation(span), ReferencePolicy(model) if pixel_floor else None)
             for t in thresholds}
     for policy in (full, *(r.gated.policy for r in runs.values())):
         policy.update_text(INSTRUCTION)
@@ -286,6 +291,7 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
             "frames": len(frames),
             "cache": cache,
             "weights": weights,
+            "layer_budget": reuse.layer_budget,
             "reuse_ratio_mean": float(ratios.mean()),
             "reuse_ratio_p10": float(np.percentile(ratios, 10)),
             "full_refreshes": run.full_refreshes,
@@ -308,7 +314,8 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
 def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         rates: Sequence[str | float] = DEFAULT_RATES, max_frames: int | None = DEFAULT_MAX_FRAMES,
         preset: str = "small", threads: int = 1, json_path: str | None = None, cache: str = "default",
-        pixel_floor: bool = False, seed: int = 0, progress: bool = True, weights: str | None = None) -> dict:
+        pixel_floor: bool = False, seed: int = 0, progress: bool = True, weights: str | None = None,
+        layer_budget: float | None = None) -> dict:
     """Measure every clip at every rate and threshold; print a table; return (and optionally write) the figures
     as {clip file name: {setting: figures}}, settings named by `setting_key`."""
     require(isinstance(drives, (list, tuple)) and len(drives) > 0 and all(isinstance(d, (str, Path)) for d in drives),
@@ -330,11 +337,13 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     require(weights == "fp32" or (weights == "fp16" and fp16_weights_available()), "weights", weights,
             "'fp32', or 'fp16' on an x86 CPU (fbgemm)")
     config = model_preset(preset)
+    reuse = ReuseConfig(layer_budget=layer_budget)  # validated before any clip is decoded
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     started = time.monotonic_ns()
     try:
-        print(f"bench reuse: preset {preset}, cache {cache}, weights {weights}, {threads} thread(s), thresholds "
+        print(f"bench reuse: preset {preset}, cache {cache}, weights {weights}, layer budget {layer_budget}, "
+              f"{threads} thread(s), thresholds "
               f"{[float(t) for t in thresholds]}, rates {[rate_label(r) for r in rates]}, max_frames {max_frames}, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}", flush=True)
         results: dict[str, dict[str, dict]] = {}
@@ -344,6 +353,7 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
             for rate in rates:
                 frames = load_frames(drive, rate, max_frames, config.image_size)
                 figures = measure_clip(frames, thresholds, config, seed=seed, cache=cache, pixel_floor=pixel_floor,
+                                       reuse=reuse,
                                        label=f"{clip} {rate_label(rate)}", progress=progress, weights=weights)
                 for threshold, row in figures.items():
                     results[clip][setting_key(threshold, rate)] = {"rate": rate_label(rate), **row}
@@ -393,12 +403,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", choices=["fp16", "fp32"], default=None,
                         help="linear weights of every run, the reference's too (default: fp16 where fbgemm exists, "
                              "as launch/cpu.toml)")
+    parser.add_argument("--layer-budget", type=float, default=None,
+                        help="reuse.layer_budget of every reuse run (per layer, this many times the gate's tokens "
+                             "are recomputed: the most drifted too; default off)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     run(args.drives, thresholds=args.thresholds, rates=args.rates, max_frames=args.max_frames or None,
         preset=args.preset, threads=args.threads, json_path=args.json, cache=args.cache,
-        pixel_floor=args.pixel_floor, weights=args.weights)
+        pixel_floor=args.pixel_floor, weights=args.weights, layer_budget=args.layer_budget)
 
 
 if __name__ == "__main__":

@@ -167,11 +167,13 @@ class MultiRatePolicy:
         self._fused_masks = [self._fused_mask(m, c.action_tokens) for m in range(c.state_slots)]
         reuse = self.reuse_config
         self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype,
-                                            drift_threshold=reuse.tower_drift_threshold)
+                                            drift_threshold=reuse.tower_drift_threshold,
+                                            layer_budget=reuse.layer_budget)
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
         self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
                                               c.tokens_per_frame, dtype,
-                                              drift_threshold=reuse.decoder_drift_threshold)
+                                              drift_threshold=reuse.decoder_drift_threshold,
+                                              layer_budget=reuse.layer_budget)
                               if self._decoder_reuse else None)
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
@@ -287,8 +289,8 @@ class MultiRatePolicy:
             k_f = self._stage_k[:, :, offset : offset + c.tokens_per_frame]
             v_f = self._stage_v[:, :, offset : offset + c.tokens_per_frame]
             positions = torch.tensor(c.vision_positions(slot))
-            self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f, check,
-                            output=False)
+            self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f,
+                            check, output=False)
             frames.append((frame_id, k_f, v_f, positions))
             offset += c.tokens_per_frame
         # commit: nothing above touched the cache

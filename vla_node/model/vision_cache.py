@@ -6,7 +6,8 @@ Per camera the cache keeps, for every layer and token: the layer's input when th
 stream of every token through every layer, but recomputes the expensive parts only for some:
 
   - recomputed tokens (the gate's changed patches, plus at each layer those whose input drifted by more than
-    `drift_threshold` (relative L2) since they were last recomputed there): layer norm, Q/K/V, attention, out_proj
+    `drift_threshold` (relative L2) since they were last recomputed there, or with a `layer_budget` the most drifted
+    up to that many times the gate's count): layer norm, Q/K/V, attention, out_proj
     and MLP; with a drift threshold the MLP has its own gate on its input (x + attention), since reused tokens'
     attention moves their MLP input even when the layer input did not move;
   - reused tokens: keep their cached Q/K/V and MLP update; with `attend_all` their attention (cached query over
@@ -41,28 +42,42 @@ class VisionStageAborted(Exception):
 
 
 def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None, threshold: float | None,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """Rows to recompute: `base` (int64 [n]) plus those whose relative L2 drift ||x - x_ref|| / ||x_ref|| exceeds
-    `threshold` (None = off). x, x_ref [T, W]; mask bool [T] is scratch. Returns sorted int64 [n']."""
+                 mask: torch.Tensor, budget: float | None = None) -> torch.Tensor:
+    """Rows to recompute: `base` (int64 [n]), plus those whose relative L2 drift ||x - x_ref|| / ||x_ref|| exceeds
+    `threshold` (None = off), plus, up to round(budget * n) rows in all (None = off), the most drifted of the rest
+    (Eventful Transformers' top-k; a row that has not moved is never added). x, x_ref [T, W]; mask bool [T] is
+    scratch. Returns sorted int64 [n']."""
     if base is None:
         return torch.arange(x.shape[0], device=x.device)
-    if threshold is None:
+    if threshold is None and budget is None:
         return base
-    drift = torch.linalg.vector_norm(x - x_ref, dim=-1)  # [T]
-    torch.gt(drift, threshold * torch.linalg.vector_norm(x_ref, dim=-1), out=mask)
+    drift = torch.linalg.vector_norm((x - x_ref).float(), dim=-1) / torch.linalg.vector_norm(x_ref.float(), dim=-1)
+    drift.nan_to_num_(nan=0.0, posinf=0.0)  # [T]; a row never computed (x_ref = 0) has nothing to compare
+    if threshold is None:
+        mask.zero_()
+    else:
+        torch.gt(drift, threshold, out=mask)
     mask[base] = True
+    if budget is not None:
+        extra = min(round(budget * base.numel()), x.shape[0]) - int(mask.sum())
+        if extra > 0:
+            top = drift.masked_fill(mask, 0.0).topk(extra)  # the most drifted rows not selected yet
+            mask[top.indices[top.values > 0]] = True
     return mask.nonzero().flatten()
 
 
 class VisionTokenCache:
     def __init__(self, tower: VisionTower, num_cameras: int, dtype: torch.dtype = torch.float32, *,
-                 attend_all: bool = True, fresh_embeddings: bool = False, drift_threshold: float | None = None) -> None:
+                 attend_all: bool = True, fresh_embeddings: bool = False, drift_threshold: float | None = None,
+                 layer_budget: float | None = None) -> None:
         """attend_all: reused tokens recompute their attention over every token's current K/V (and out_proj);
         fresh_embeddings: reused tokens' patch embeddings follow the current pixels;
         drift_threshold: per layer, also recompute tokens whose input (and, for the MLP, whose MLP input) moved more
-        than this (relative L2) since they were last recomputed there (None = only the gate's tokens)."""
+        than this (relative L2) since they were last recomputed there (None = only the gate's tokens);
+        layer_budget: per layer, recompute this many times the gate's tokens: the most drifted others too."""
         self.tower = tower
         self.attend_all, self.fresh_embeddings, self.drift_threshold = attend_all, fresh_embeddings, drift_threshold
+        self.layer_budget = layer_budget
         emb = tower.embeddings
         layers = tower.encoder.layers
         attn = layers[0].self_attn
@@ -132,7 +147,7 @@ class VisionTokenCache:
         """One encoder layer over the residual stream x [T, W] (updated in place), writing the staged state."""
         a = layer.self_attn
         T, W, H, hd = self.tokens, self.width, self.heads, self.head_dim
-        rows = drifted_rows(x, live["x_ref"][i], tokens, self.drift_threshold, self._mask)  # [n]
+        rows = drifted_rows(x, live["x_ref"][i], tokens, self.drift_threshold, self._mask, self.layer_budget)  # [n]
         n = rows.numel()
         self._staged_rows[camera][i] = n
         full = n == T
@@ -208,7 +223,8 @@ class FrameTokenCache:
     the two residual updates (attention after o_proj, MLP). A partial run keeps the residual stream of every token
     and, at every layer, re-projects every token's K/V from its current input (cheap next to the rest: grouped-query
     K/V), so that the action queries see every token's change; it recomputes Q, attention, o_proj and the MLP only
-    for the recomputed tokens (the gate's, plus those whose input drifted by more than `drift_threshold`); reused
+    for the recomputed tokens (the gate's, plus those whose input drifted by more than `drift_threshold` or, up to
+    `layer_budget` times the gate's count, drifted most); reused
     tokens recompute their attention with their cached query when `attend_all`. Staged like the tower cache.
 
     The last layer computes only K/V: the vision tokens' final hidden states feed nothing (the action queries read
@@ -218,9 +234,9 @@ class FrameTokenCache:
     _STATE = ("x_ref", "q", "k", "v", "attn_out", "mlp_out", "mid_ref")
 
     def __init__(self, layers, rope, tokens: int, dtype: torch.dtype = torch.float32, *, attend_all: bool = True,
-                 drift_threshold: float | None = None) -> None:
+                 drift_threshold: float | None = None, layer_budget: float | None = None) -> None:
         self.layers, self.rope = layers, rope
-        self.attend_all, self.drift_threshold = attend_all, drift_threshold
+        self.attend_all, self.drift_threshold, self.layer_budget = attend_all, drift_threshold, layer_budget
         a = layers[0].self_attn
         L, H, KV, hd = len(layers), a.heads, a.kv_heads, a.head_dim
         hidden = a.q_proj.in_features
@@ -276,7 +292,7 @@ class FrameTokenCache:
             s["v"][i].copy_(a.v_proj(h).reshape(T, KV, hd).transpose(0, 1))
             if i == n_layers - 1:
                 break
-            rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask)  # [n]
+            rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask, self.layer_budget)  # [n]
             n = rows.numel()
             self.staged_rows[i] = n
             full = n == T
