@@ -176,6 +176,8 @@ def test_layer_budget_adds_the_most_drifted_rows_never_unmoved_ones():
     assert drifted_rows(x, x_ref, base, 0.75, mask).tolist() == [0, 3, 4]  # threshold alone
     assert drifted_rows(x, x_ref, base, 0.75, mask, budget=4.0).tolist() == [0, 1, 3, 4]  # threshold, then top-up
     assert drifted_rows(x, x_ref, None, None, mask, budget=2.0).tolist() == list(range(6))  # full: every row
+    x_ref[5], x[2] = 0.0, 0.0  # row 5 moves away from zero (infinite relative drift), row 2 drops to zero (1)
+    assert drifted_rows(x, x_ref, base, 0.75, mask).tolist() == [0, 2, 3, 4, 5]
 
 
 def test_layer_budget_recomputes_more_tokens_per_layer_and_nothing_on_a_still_frame():

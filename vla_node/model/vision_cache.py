@@ -52,7 +52,7 @@ def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None
     if threshold is None and budget is None:
         return base
     drift = torch.linalg.vector_norm((x - x_ref).float(), dim=-1) / torch.linalg.vector_norm(x_ref.float(), dim=-1)
-    drift.nan_to_num_(nan=0.0, posinf=0.0)  # [T]; a row never computed (x_ref = 0) has nothing to compare
+    drift.nan_to_num_(nan=0.0)  # [T]; 0/0: a zero row that stayed zero has not moved (x/0 = inf: it has)
     if threshold is None:
         mask.zero_()
     else:
