@@ -344,16 +344,17 @@ class KVPartition:
         new_live = torch.zeros_like(old_live)
         new_live[row, col] = True
         live = (old_live | new_live)[None, None, :, :, None]  # [1, 1, m, G, 1]
-        if bool(has_old.any()):
+        any_old = bool(has_old.any())
+        if any_old:
             old_scale, old_zero = self.k_scale[:, :, groups], self.k_zero[:, :, groups]  # [L, H, m, D]
             codes = self.k[:, :, flat].reshape(L, H, m, G, D)  # [L, H, m, G, D]
             work = quant.dequantize(codes, old_scale[:, :, :, None], old_zero[:, :, :, None])
         else:  # every touched group is rewritten whole (a frame over its own slots): nothing old to keep
-            work = torch.zeros(L, H, m, G, D)
+            work = torch.zeros(L, H, m, G, D, device=self.device)
         work[:, :, row, col] = k.float()  # overlay new tokens; [L, H, n, D] into [L, H, m, G, D]
         scale, zero = quant.quant_params(work, dim=3, scale_dtype=sd, live=live)
         scale, zero = scale.squeeze(3), zero.squeeze(3)  # [L, H, m, D]
-        if bool(has_old.any()):
+        if any_old:
             # keep the old parameters of a channel when its group has old members and the new tokens fit its
             # range: old members then re-quantize to exactly the same codes (no drift from repeated writes)
             is_new = new_live[None, None, :, :, None]  # [1, 1, m, G, 1]
