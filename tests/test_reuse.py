@@ -113,7 +113,7 @@ def test_identical_frame_is_fully_reused_after_the_first():
 def test_slow_drift_accumulates_against_last_refreshed_version():
     """Each frame brightens one patch by 3 (below the threshold 8 frame to frame); it is refreshed on the frame
     where its drift from the last refreshed version reaches 8, i.e. every third frame."""
-    gate = ReuseGate(ReuseConfig(threshold=8.0), SIZE, PATCH)
+    gate = ReuseGate(ReuseConfig(threshold=8.0, max_age=0), SIZE, PATCH)
     frame = np.full((SIZE, SIZE, 3), 100, np.uint8)
     step(gate, frame)
     target = 5
@@ -162,7 +162,7 @@ def test_scene_cut_forces_full_refresh():
 
 @pytest.mark.unit
 def test_cap_keeps_most_changed_patches_first():
-    gate = ReuseGate(ReuseConfig(threshold=4.0), SIZE, PATCH)
+    gate = ReuseGate(ReuseConfig(threshold=4.0, max_age=0), SIZE, PATCH)
     base = np.full((SIZE, SIZE, 3), 50, np.uint8)
     step(gate, base)
     changed = base.copy()
@@ -173,7 +173,7 @@ def test_cap_keeps_most_changed_patches_first():
     assert uncapped.refresh.tolist() == [7, 11, 2, 14]
     capped = gate.plan(changed, max_refresh=2)
     assert capped.refresh.tolist() == [7, 11] and capped.reuse_ratio == 1 - 2 / 16
-    config_capped = ReuseGate(ReuseConfig(threshold=4.0, max_refresh=3), SIZE, PATCH)
+    config_capped = ReuseGate(ReuseConfig(threshold=4.0, max_refresh=3, max_age=0), SIZE, PATCH)
     step(config_capped, base)
     assert config_capped.plan(changed).refresh.tolist() == [7, 11, 2]
     # commit copies only the refreshed patches: the others keep drifting and come first next time
@@ -184,7 +184,7 @@ def test_cap_keeps_most_changed_patches_first():
 
 @pytest.mark.unit
 def test_capped_scene_cut_completes_on_following_frames():
-    gate = ReuseGate(ReuseConfig(scene_cut_fraction=0.5, scene_cut_threshold=40.0), SIZE, PATCH)
+    gate = ReuseGate(ReuseConfig(max_age=0, scene_cut_fraction=0.5, scene_cut_threshold=40.0), SIZE, PATCH)
     step(gate, noise_frame(7))
     new = noise_frame(8)
     first = step(gate, new, max_refresh=6)
@@ -261,7 +261,7 @@ def test_reset_makes_the_next_frame_full():
 def test_drift_and_reference_match_a_direct_computation(seed, patch, grid, threshold, cap):
     rng = np.random.default_rng(seed)
     height, width = grid[0] * patch, grid[1] * patch
-    gate = ReuseGate(ReuseConfig(threshold=threshold, scene_cut_fraction=1.0), (height, width), patch)
+    gate = ReuseGate(ReuseConfig(threshold=threshold, max_age=0, scene_cut_fraction=1.0), (height, width), patch)
     reference = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     step(gate, reference)
     for _ in range(3):
@@ -340,8 +340,32 @@ def test_measured_redundancy_matches_drives_readme(name, fps):
     if not path.is_file():
         pytest.skip(f"real drive {path} not present (set VLA_NODE_DRIVES to the shared drives folder)")
     frames = resample(decode_224(path), fps)
-    result = measure_redundancy(frames, ReuseConfig(threshold=8.0))
+    result = measure_redundancy(frames, ReuseConfig(threshold=8.0, max_age=0))
     mean, p10 = README_REDUNDANCY[name][fps]
     assert result["scene_cuts"] == 0 and result["full_refreshes"] == 0
     assert result["mean"] == pytest.approx(mean, abs=TOLERANCE), result
     assert result["p10"] == pytest.approx(p10, abs=TOLERANCE), result
+
+
+@pytest.mark.unit
+def test_max_age_refreshes_the_patches_reused_longest_only_while_the_frame_changes():
+    """With max_age 4 over 16 patches, each changing frame also refreshes the ceil(16 / 4) = 4 patches reused
+    longest (ties in row-major order); a still frame reuses everything and ages nothing."""
+    gate = ReuseGate(ReuseConfig(threshold=8.0, max_age=4), SIZE, PATCH)
+    frame = np.full((SIZE, SIZE, 3), 100, np.uint8)
+    step(gate, frame)
+    frame = frame.copy()
+    patch_view(frame, 9)[...] += 50
+    plan = step(gate, frame)
+    assert plan.refresh.tolist() == [9]  # after a full refresh nothing has been reused yet
+    patch_view(frame, 9)[...] += 50
+    plan = step(gate, frame)
+    assert plan.refresh.tolist() == [9, 0, 1, 2, 3] and plan.reuse_ratio == 1 - 5 / 16
+    still = step(gate, frame)
+    assert still.refresh.size == 0 and still.reuse_ratio == 1.0
+    patch_view(frame, 9)[...] += 50
+    plan = step(gate, frame)
+    assert plan.refresh.tolist() == [9, 4, 5, 6, 7]  # 4..15 are two changing frames old, 0..3 one
+    patch_view(frame, 9)[...] += 50
+    capped = gate.plan(frame, max_refresh=2)  # the cap keeps the most changed first, then the oldest (8, 10.. at 3)
+    assert capped.refresh.tolist() == [9, 8]

@@ -49,14 +49,8 @@ def test_most_vision_tokens_are_reused(reuse_on_drive):
     assert reuse.min() > 0.0  # no full refresh on a steady freeway drive
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reuse deviates far more than 5% from the reference here (measured over these 30 frames with the default "
-    "VisionTokenCache/FrameTokenCache: relative L2 of the action logits mean 14%, max 24%; 18%/30% before the "
-    "residual-stream caches; the reference itself moves 6.5% a frame). The gate's pixel threshold alone costs 4.3% "
-    "mean, 5.9% max (bench reuse --pixel-floor), so this max bound cannot pass at threshold 8; fresh patch "
-    "embeddings for reused tokens do not help (11.0% against 11.1% mean on 12 frames at 10 fps); a single partial "
-    "update from an exact state already costs 10.6% (7.1% with the tower exact: the decoder's reused tokens, whose "
-    "inputs all moved); drift_threshold 0.03 reaches 5.3% mean but only 1.2x"))
 def test_logits_stay_close_to_the_reference(reuse_on_drive):
+    """With the shared-drift correction and the age refresh (the defaults): measured mean 3.7%, max 4.95% over these
+    30 frames; without them (shared_drift_samples = 0, max_age = 0) the error grew from 10.6% to 24%."""
     errors = reuse_on_drive["logit_rel_err"]
     assert errors.max() <= MAX_LOGIT_REL_ERR, errors.round(4).tolist()

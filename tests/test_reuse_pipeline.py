@@ -178,13 +178,15 @@ def test_bench_reuse_end_to_end_on_a_synthetic_video(tmp_path):
     write_mp4(clip, list(flicker(15)))
     out = tmp_path / "reuse.json"
     results = bench_reuse.run([str(clip)], thresholds=(0, 8), rates=("native", 10), max_frames=5, preset="tiny",
-                              json_path=str(out), cache="exact", pixel_floor=True, progress=False)
+                              json_path=str(out), cache="exact", pixel_floor=True, progress=False,
+                              shared_drift_samples=0, max_age=0)  # the tiny preset has 4 tokens: a sample is all
     assert json.loads(out.read_text()) == results
     assert list(results) == ["flicker.mp4"]
     settings = results["flicker.mp4"]
     assert sorted(settings) == ["t0@10fps", "t0@native", "t8@10fps", "t8@native"]
     for name, row in settings.items():
         assert KEYS <= set(row), name
+        assert row["shared_drift_samples"] == 0 and row["max_age"] == 0
         assert row["frames"] == 5 and np.isfinite(row["vision_update_speedup"]) and row["vision_update_speedup"] > 0
         assert 0.0 <= row["reuse_ratio_p10"] <= row["reuse_ratio_mean"] <= 1.0
     for rate in ("native", "10fps"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vla_node.model import build_vla, preset
-from vla_node.model.vision_cache import FrameTokenCache, VisionTokenCache
+from vla_node.model.vision_cache import FrameTokenCache, VisionTokenCache, shared_sample, shift_reused
 from vla_node.model.vla import to_pixels
 from vla_node.multirate import CacheConfig, MultiRatePolicy, StageAborted
 
@@ -96,11 +96,13 @@ def test_partial_decoder_run_with_drift_zero_equals_full_refresh(attend_all):
         assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
 
 
-def test_default_partial_update_reuses_and_stays_closer_than_stale_outputs():
-    """The defaults (no drift gate): only the gate's tokens run Q/K/V and the MLP; the result differs from a full
+def test_partial_update_without_shared_drift_reuses_and_moves_every_tokens_kv():
+    """No drift gate, no shared drift: only the gate's tokens run Q/K/V and the MLP; the result differs from a full
     refresh but every token's K/V moved with its context."""
+    from vla_node.reuse import ReuseConfig
+
     model = build_vla(CONFIG, seed=4)
-    partial = MultiRatePolicy(model, CacheConfig.exact())
+    partial = MultiRatePolicy(model, CacheConfig.exact(), reuse=ReuseConfig(shared_drift_samples=0))
     full = MultiRatePolicy(model, CacheConfig.exact())
     for policy in (partial, full):
         policy.update_text("keep lane")
@@ -200,3 +202,53 @@ def test_layer_budget_recomputes_more_tokens_per_layer_and_nothing_on_a_still_fr
     assert torch.equal(budget.action_tick(np.zeros(CONFIG.state_dim, np.float32)).logits, before)
     with pytest.raises(ConfigError, match=r"reuse.layer_budget = 0.5: expected unset \(off\) or a multiple >= 1"):
         ReuseConfig(layer_budget=0.5)
+
+
+def test_shared_sample_takes_evenly_spaced_reused_tokens():
+    mask = torch.zeros(10, dtype=torch.bool)
+    rows, sample = shared_sample(torch.tensor([1, 4]), 3, mask)
+    assert sample.tolist() == [0, 6, 9]  # places 0, 3.5 -> 4, 7 of the 8 reused tokens [0, 2, 3, 5, 6, 7, 8, 9]
+    assert rows.tolist() == [0, 1, 4, 6, 9]
+    rows, sample = shared_sample(torch.tensor([1, 4]), 20, mask)  # more asked than reused: every token
+    assert rows.tolist() == list(range(10)) and sample.numel() == 8
+    rows, sample = shared_sample(torch.tensor([1, 4]), 0, mask)
+    assert rows.tolist() == [1, 4] and sample.numel() == 0
+
+
+def test_shift_reused_moves_reused_tokens_by_the_sampled_mean_change():
+    old = torch.arange(12.0).reshape(6, 2)  # [T=6, W=2]
+    rows, sample = torch.tensor([1, 2, 4]), torch.tensor([2, 4])  # 1 recomputed by the gate, 2 and 4 sampled
+    new = torch.tensor([[100.0, 100.0], [5.0, 7.0], [11.0, 10.0]])  # rows' fresh values: sample changes (+1,+2), (+3,+1)
+    out = torch.empty_like(old)
+    shift_reused(out, old, new, rows, sample, 0)
+    expected = old + torch.tensor([2.0, 1.5])  # the mean change of the sample
+    expected[rows] = new
+    assert torch.equal(out, expected)
+    shift_reused(out, old, new, rows, sample[:0], 0)  # no sample: the old values, the rows' new ones
+    expected = old.clone()
+    expected[rows] = new
+    assert torch.equal(out, expected)
+
+
+def test_shared_drift_recomputes_a_sample_and_moves_the_reused_tokens():
+    """A partial update with shared drift recomputes the gate's tokens plus the sample in every layer (counted as
+    refreshed); the reused tokens' K/V and outputs move; a still frame stays bit for bit."""
+    from vla_node.reuse import ReuseConfig
+
+    model = build_vla(CONFIG, seed=4)
+    policy = MultiRatePolicy(model, CacheConfig.exact(), reuse=ReuseConfig(shared_drift_samples=2))
+    assert policy.tower_cache.shared_drift_samples == policy._frame_tokens.shared_drift_samples == 2
+    policy.update_text("keep lane")
+    frames = list(moving(2, seed=5))
+    policy.update_vision(frames[0][None])
+    tokens = changed_tokens(frames[0], frames[1])
+    assert tokens.numel() + 2 < CONFIG.tokens_per_frame
+    update = policy.update_vision(frames[1][None], [tokens])
+    assert update.tokens_refreshed == tokens.numel() + 2
+    assert policy._frame_tokens.staged_rows == [tokens.numel() + 2] * (CONFIG.num_layers - 1)
+    state = np.zeros(CONFIG.state_dim, np.float32)
+    before = policy.action_tick(state).logits
+    assert torch.isfinite(before).all()
+    still = policy.update_vision(frames[1][None], [torch.zeros(0, dtype=torch.long)])
+    assert still.tokens_refreshed == 0
+    assert torch.equal(policy.action_tick(state).logits, before)

@@ -2,7 +2,8 @@
 
     python -m vla_node.bench_reuse DRIVE [DRIVE ...] [--thresholds 0 2 4 8 16] [--rates native 10]
                                    [--max-frames 12] [--preset small] [--cache default] [--pixel-floor]
-                                   [--weights fp16|fp32] [--threads 1] [--json F]
+                                   [--weights fp16|fp32] [--layer-budget B] [--shared-drift-samples 8]
+                                   [--max-age 20] [--threads 1] [--json F]
 
 DRIVE: an mp4 (or any video PyAV reads) or a drive (native vla-node MCAP, ROS 2 bag; its first camera).
 
@@ -292,6 +293,8 @@ def measure_clip(frames: list[np.ndarray], thresholds: Sequence[float], config: 
             "cache": cache,
             "weights": weights,
             "layer_budget": reuse.layer_budget,
+            "shared_drift_samples": reuse.shared_drift_samples,
+            "max_age": reuse.max_age,
             "reuse_ratio_mean": float(ratios.mean()),
             "reuse_ratio_p10": float(np.percentile(ratios, 10)),
             "full_refreshes": run.full_refreshes,
@@ -315,7 +318,8 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         rates: Sequence[str | float] = DEFAULT_RATES, max_frames: int | None = DEFAULT_MAX_FRAMES,
         preset: str = "small", threads: int = 1, json_path: str | None = None, cache: str = "default",
         pixel_floor: bool = False, seed: int = 0, progress: bool = True, weights: str | None = None,
-        layer_budget: float | None = None) -> dict:
+        layer_budget: float | None = None, shared_drift_samples: int = ReuseConfig.shared_drift_samples,
+        max_age: int = ReuseConfig.max_age) -> dict:
     """Measure every clip at every rate and threshold; print a table; return (and optionally write) the figures
     as {clip file name: {setting: figures}}, settings named by `setting_key`."""
     require(isinstance(drives, (list, tuple)) and len(drives) > 0 and all(isinstance(d, (str, Path)) for d in drives),
@@ -337,13 +341,14 @@ def run(drives: list[str], thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     require(weights == "fp32" or (weights == "fp16" and fp16_weights_available()), "weights", weights,
             "'fp32', or 'fp16' on an x86 CPU (fbgemm)")
     config = model_preset(preset)
-    reuse = ReuseConfig(layer_budget=layer_budget)  # validated before any clip is decoded
+    reuse = ReuseConfig(layer_budget=layer_budget, shared_drift_samples=shared_drift_samples,
+                        max_age=max_age)  # validated before any clip is decoded
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     started = time.monotonic_ns()
     try:
         print(f"bench reuse: preset {preset}, cache {cache}, weights {weights}, layer budget {layer_budget}, "
-              f"{threads} thread(s), thresholds "
+              f"shared drift samples {shared_drift_samples}, max age {max_age}, {threads} thread(s), thresholds "
               f"{[float(t) for t in thresholds]}, rates {[rate_label(r) for r in rates]}, max_frames {max_frames}, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}", flush=True)
         results: dict[str, dict[str, dict]] = {}
@@ -406,12 +411,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layer-budget", type=float, default=None,
                         help="reuse.layer_budget of every reuse run (per layer, this many times the gate's tokens "
                              "are recomputed: the most drifted too; default off)")
+    parser.add_argument("--shared-drift-samples", type=int, default=ReuseConfig.shared_drift_samples,
+                        help="reuse.shared_drift_samples (reused tokens sampled per layer to move the others by their "
+                             f"mean change; 0 = off; default {ReuseConfig.shared_drift_samples})")
+    parser.add_argument("--max-age", type=int, default=ReuseConfig.max_age,
+                        help="reuse.max_age (changing frames a patch may be reused; 0 = off; "
+                             f"default {ReuseConfig.max_age})")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     run(args.drives, thresholds=args.thresholds, rates=args.rates, max_frames=args.max_frames or None,
         preset=args.preset, threads=args.threads, json_path=args.json, cache=args.cache,
-        pixel_floor=args.pixel_floor, weights=args.weights, layer_budget=args.layer_budget)
+        pixel_floor=args.pixel_floor, weights=args.weights, layer_budget=args.layer_budget,
+        shared_drift_samples=args.shared_drift_samples, max_age=args.max_age)
 
 
 if __name__ == "__main__":

@@ -168,12 +168,14 @@ class MultiRatePolicy:
         reuse = self.reuse_config
         self.tower_cache = VisionTokenCache(self.model.vision, c.num_cameras, dtype,
                                             drift_threshold=reuse.tower_drift_threshold,
-                                            layer_budget=reuse.layer_budget)
+                                            layer_budget=reuse.layer_budget,
+                                            shared_drift_samples=reuse.shared_drift_samples)
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
         self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
                                               c.tokens_per_frame, dtype,
                                               drift_threshold=reuse.decoder_drift_threshold,
-                                              layer_budget=reuse.layer_budget)
+                                              layer_budget=reuse.layer_budget,
+                                              shared_drift_samples=reuse.shared_drift_samples)
                               if self._decoder_reuse else None)
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)

@@ -11,7 +11,10 @@ Drift is the mean absolute pixel difference (0-255 scale, over the P x P x 3 val
 reference, not against the previous frame, so slow changes accumulate until the patch is refreshed.
 A patch is refreshed when its drift reaches the threshold (it is reusable while its drift stays under it), so
 threshold 0 refreshes everything. A full refresh happens on the first frame, every `full_refresh_every` frames, and
-on a scene cut (more than `scene_cut_fraction` of the patches drift past `scene_cut_threshold`). A cap on refreshed
+on a scene cut (more than `scene_cut_fraction` of the patches drift past `scene_cut_threshold`). With `max_age`, a
+frame that changes also refreshes the ceil(patches / max_age) patches reused longest: a reused token carries
+approximations (its sub-threshold drift, the shared-drift corrections of vision_cache.py) that grow with the
+changing frames it sat out; a still frame refreshes nothing and ages nothing. A cap on refreshed
 tokens (how the deadline scheduler degrades) keeps the most-changed patches first; it applies to forced and scene-cut
 refreshes too (the rest follow on later frames, since their drift stays high), but never to the first frame after
 construction or reset, when nothing is cached that could be reused.
@@ -63,14 +66,23 @@ class ReuseConfig:
     max_refresh: int | None = None  # cap on refreshed tokens per frame; None = no cap
     # Beyond the pixel gate: per layer, also recompute tokens whose input drifted more than this (relative L2)
     # since they were last recomputed there (Eventful-style), in the vision tower and in the decoder's vision
-    # partition. None = off (fastest). Lower = more accurate and slower: ~0.05 gave ~6% logit error at ~1.3x.
+    # partition. None = off (fastest). Lower = more accurate and slower: ~0.05 gave ~6% logit error at ~1.3x
+    # (before shared drift).
     tower_drift_threshold: float | None = None
     decoder_drift_threshold: float | None = None
     # Per layer, recompute this many times the gate's tokens (Eventful Transformers' top-k): the gate's plus the
-    # most drifted others, in the tower and the decoder's vision partition. None = off. On the freeway clip at
-    # 10 fps, threshold 8: 1.5 gave 6.8% logit error at 1.66x (off: 11.1% at 2.06x; drift thresholds 0.05: 6.7%
-    # at 1.4x).
+    # most drifted others, in the tower and the decoder's vision partition. None = off. Measured before shared
+    # drift, on the freeway clip at 10 fps, threshold 8: 1.5 gave 6.8% logit error at 1.66x (off: 11.1% at 2.06x;
+    # drift thresholds 0.05: 6.7% at 1.4x).
     layer_budget: float | None = None
+    # Shared drift: per layer, every reused token's cached parts (tower Q/K/V, attention and MLP updates; the
+    # decoder's attention and MLP updates) move by the mean change measured on this many evenly spaced reused tokens,
+    # recomputed for it; reused tokens then skip their attention too. 0 = off (reused tokens recompute their
+    # attention instead). Most of what a reused token misses is shared: its neighbours changed, not itself.
+    shared_drift_samples: int = 8
+    # Each frame that changes, also refresh the ceil(patches / max_age) patches reused longest, so that no token
+    # carries corrections (or sub-threshold drift) for more than about max_age changing frames. 0 = off.
+    max_age: int = 20
 
     def __post_init__(self) -> None:
         _check_threshold("reuse.threshold", self.threshold)
@@ -86,6 +98,10 @@ class ReuseConfig:
         require(self.layer_budget is None or (_is_number(self.layer_budget) and math.isfinite(self.layer_budget)
                                               and self.layer_budget >= 1.0), "reuse.layer_budget", self.layer_budget,
                 "unset (off) or a multiple >= 1 of the gate's tokens, recomputed per layer, e.g. 1.5")
+        require(_is_int(self.shared_drift_samples) and self.shared_drift_samples >= 0, "reuse.shared_drift_samples",
+                self.shared_drift_samples, "an integer >= 0 (reused tokens sampled per layer; 0 = off)")
+        require(_is_int(self.max_age) and self.max_age >= 0, "reuse.max_age", self.max_age,
+                "an integer >= 0 (changing frames a patch may be reused before it is refreshed; 0 = off)")
         for key in ("tower_drift_threshold", "decoder_drift_threshold"):
             value = getattr(self, key)
             require(value is None or (_is_number(value) and math.isfinite(value) and value > 0), f"reuse.{key}",
@@ -142,6 +158,7 @@ class ReuseGate:
         self._patch_mask = np.empty(self.grid, np.bool_)  # patches copied by commit
         self._has_reference = False
         self._frames_since_full = 0
+        self._age = np.zeros(self.num_patches, np.int64)  # changing frames each patch has been reused since refreshed
         self._basis = next(_basis_tokens)
 
     # ------------------------------------------------------------------ state, read-only
@@ -195,6 +212,13 @@ class ReuseGate:
             candidates = np.flatnonzero(drift >= threshold)
         # Most-changed first; ties keep row-major order (stable sort on the negated drift).
         refresh = candidates[np.argsort(-drift[candidates], kind="stable")]
+        if config.max_age and 0 < refresh.size < total:  # then the oldest of the rest (a still frame reuses all)
+            rest = np.ones(total, np.bool_)
+            rest[refresh] = False
+            rest &= self._age > 0
+            older = np.flatnonzero(rest)
+            older = older[np.argsort(-self._age[older], kind="stable")][: math.ceil(total / config.max_age)]
+            refresh = np.concatenate([refresh, older])
         if max_refresh is not None:
             refresh = refresh[:max_refresh]
         refresh.flags.writeable = False
@@ -215,7 +239,11 @@ class ReuseGate:
         if plan.full:
             np.copyto(self._reference, rgb)
             self._frames_since_full = 0
+            self._age.fill(0)
         else:
+            if plan.refresh.size:  # reused patches age only while something changes around them
+                self._age += 1
+                self._age[plan.refresh] = 0
             rows, cols = self.grid
             p = self.patch_size
             mask = self._patch_mask.reshape(-1)  # (rows, cols) -> (num_patches,), a view
@@ -233,6 +261,7 @@ class ReuseGate:
         self._reference.fill(0)
         self._has_reference = False
         self._frames_since_full = 0
+        self._age.fill(0)
         self._basis = next(_basis_tokens)
 
     # ------------------------------------------------------------------ internals
