@@ -132,9 +132,10 @@ def test_drift_thresholds_from_the_reuse_config_recompute_more_tokens():
     from vla_node.reuse import ReuseConfig
 
     config = preset("tiny").replace(vision_frames=1, image_size=64)  # 16 tokens a frame
-    reuse = ReuseConfig(tower_drift_threshold=1e-6, decoder_drift_threshold=1e-6)  # any drift at all
+    # any drift at all; no shared-drift sample, so that only the gate's token and the drifted ones are recomputed
+    reuse = ReuseConfig(tower_drift_threshold=1e-6, decoder_drift_threshold=1e-6, shared_drift_samples=0)
     gated = MultiRatePolicy(build_vla(config, seed=2), CacheConfig(), reuse=reuse)
-    plain = MultiRatePolicy(build_vla(config, seed=2), CacheConfig())
+    plain = MultiRatePolicy(build_vla(config, seed=2), CacheConfig(), reuse=ReuseConfig(shared_drift_samples=0))
     assert gated.tower_cache.drift_threshold == 1e-6 and gated._frame_tokens.drift_threshold == 1e-6
     frames = [frame for frame, _ in frames_and_states(2, seed=4)]
     one = [torch.tensor([0])]
