@@ -80,6 +80,27 @@ def test_int8_write_read_is_within_half_a_step():
         p.read(0)
 
 
+@pytest.mark.parametrize("capacity", [130, 96, 20])  # a partial last group, whole groups only, one partial group
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_whole_partition_write_equals_the_general_path(capacity, dtype):
+    """Every slot written in slot order takes the fast path; the same tokens written in another slot order take
+    the general one (gather, overlay, scatter). Codes, scales and zero points must agree bit for bit, also over
+    a partition that held other tokens before."""
+    k, v = tokens(capacity, seed=3, spread=2.5)
+    k, v = k.to(dtype), v.to(dtype)
+    order = torch.randperm(capacity, generator=torch.Generator().manual_seed(0))
+    fast, general = make("int8", capacity), make("int8", capacity)
+    for p in (fast, general):
+        old_k, old_v = tokens(capacity, seed=4, spread=9.0)
+        p.write(torch.arange(capacity), old_k, old_v, torch.arange(capacity), 0)
+    fast.write(torch.arange(capacity), k, v, torch.arange(capacity), 1)
+    general.write(order, k[:, :, order], v[:, :, order], order, 1)
+    for a, b in zip(fast.storage_tensors(), general.storage_tensors()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    gk, _ = fast.gather(torch.arange(capacity))
+    assert bool(((gk - k.float()).abs() <= fast.key_step(torch.arange(capacity)) * 0.5 * (1 + 1e-5) + 1e-6).all())
+
+
 def test_int8_partial_group_writes_keep_old_members_exact_when_in_range():
     p = make("int8", capacity=64, key_group=32)
     k, v = tokens(20, seed=1, spread=2.0)

@@ -262,8 +262,15 @@ class MultiRatePolicy:
 
         return attend
 
+    def _text_segment(self, layer: int) -> Segment:
+        """The text partition's valid slots only: update_text writes them in order from slot 0, so a block that
+        attends to text alone (a frame) skips the unused slots' logits and needs no mask."""
+        seg = self._segment(self.text, layer)
+        n = len(self.text_ids)
+        return Segment(seg.k[:, :n], seg.v[:, :n], None)  # [KV, capacity, hd] -> [KV, n, hd]
+
     def _text_prefix(self, layer: int) -> list[Segment]:
-        return [self._segment(self.text, layer)]
+        return [self._text_segment(layer)]
 
     def _vision_prefix(self, layer: int) -> list[Segment]:
         return [self._segment(self.text, layer), *self.vision.segments(layer)]
@@ -364,7 +371,7 @@ class MultiRatePolicy:
         frame_id = self.frame_count if tokens is None else self._frame_ids[-1]
         slot = frame_id % c.vision_frames
         positions = torch.tensor(c.vision_positions(slot))
-        frames.run(x, positions, flat, lambda layer: self._segment(self.text, layer), self.instruction, check, self._attend)
+        frames.run(x, positions, flat, self._text_segment, self.instruction, check, self._attend)
         # commit
         if tokens is None:
             admission = self.vision.admit_frame(frame_id, frames.staged_k, frames.staged_v, positions,

@@ -169,13 +169,15 @@ def gather_attention(
     if total > ws.max_tokens or tq > ws.max_q_len or ws.k.dtype != q.dtype:
         raise ValueError(f"gather_attention: {total} tokens, q_len {tq}, {q.dtype}: workspace holds "
                          f"{ws.max_tokens} tokens, q_len {ws.max_q_len}, {ws.k.dtype}")
-    bias = ws.logit_bias[:tq, :total]  # [q_len, total]
+    plain = all(seg.mask is None and seg.bias is None for seg in segs)  # every row sees every key, unbiased
+    bias = None if plain else ws.logit_bias[:tq, :total]  # [q_len, total]
     offset = 0
     for seg in segs:
         end = offset + seg.k.shape[1]
         ws.k[:, offset:end].copy_(seg.k)
         ws.v[:, offset:end].copy_(seg.v)
-        fill_bias(bias[:, offset:end], seg.mask, seg.bias)
+        if bias is not None:
+            fill_bias(bias[:, offset:end], seg.mask, seg.bias)
         offset = end
     # a non-empty segment without a mask is seen by every row: then no row can be empty
     may_be_empty = not any(seg.mask is None and seg.k.shape[1] > 0 for seg in segs)
@@ -194,12 +196,13 @@ def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor |
     return out
 
 
-def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                      check_empty: bool = True) -> torch.Tensor:
     """Attention of q [n_heads, q_len, D] over one K/V buffer k, v [n_kv_heads, L, D] with an additive fp32
-    bias [q_len, L] (0 = attend, log(count) for merged tokens, -inf = masked). A row that may attend to
-    nothing yields zeros (check_empty=False: the caller knows every row attends to something, and the check's
-    pass over the bias is skipped). Returns out [n_heads, q_len, D] in q's dtype.
+    bias [q_len, L] (0 = attend, log(count) for merged tokens, -inf = masked; None = every row attends to every
+    key, unbiased). A row that may attend to nothing yields zeros (check_empty=False: the caller knows every row
+    attends to something, and the check's pass over the bias is skipped). Returns out [n_heads, q_len, D] in
+    q's dtype.
 
     Two batched matmuls and one softmax, the kv heads never repeated: on a CPU this is about twice as fast
     as torch's SDPA with a mask, and than a log-sum-exp merge over several segments."""
@@ -208,10 +211,12 @@ def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     g = hq // hkv
     qg = q.reshape(hkv, g * tq, d)  # [n_heads, q_len, D] -> [n_kv_heads, g*q_len, D]: one kv head's g query heads
     logits = torch.matmul(qg, k.transpose(1, 2)).float()  # [n_kv_heads, g*q_len, L]
-    logits = logits.view(hkv, g, tq, length).mul_(1.0 / math.sqrt(d)).add_(bias)  # [n_kv_heads, g, q_len, L]
+    logits = logits.view(hkv, g, tq, length).mul_(1.0 / math.sqrt(d))  # [n_kv_heads, g, q_len, L]
+    if bias is not None:
+        logits.add_(bias)
     p = torch.softmax(logits, dim=-1).view(hkv, g * tq, length)  # -> [n_kv_heads, g*q_len, L]
     out = torch.matmul(p.to(v.dtype), v).view(hq, tq, d)  # [n_kv_heads, g*q_len, D] -> [n_heads, q_len, D]
-    if check_empty:
+    if check_empty and bias is not None:
         empty = torch.isneginf(bias).all(dim=-1)  # [q_len]: rows with nothing to attend (softmax gave NaN)
         if bool(empty.any()):
             out.masked_fill_(empty[None, :, None], 0.0)

@@ -327,6 +327,9 @@ class KVPartition:
         sd = self.spec.torch_scale_dtype
         # values: per token over head_dim
         qv = quant.quantize_values(v, sd)  # data [L, H, n, D], scale/zero [L, H, n, 1]
+        if slots.numel() == self.capacity and torch.equal(slots, self._slot_ids):
+            self._write_int8_whole(k, qv)
+            return
         # keys: per channel over the groups of slots this write touches; the whole group is re-quantized
         G = self.spec.key_group
         groups = torch.unique(torch.div(slots, G, rounding_mode="floor"))  # [m], sorted
@@ -373,6 +376,23 @@ class KVPartition:
         self.v.index_copy_(2, slots, qv.data)
         self.v_scale.index_copy_(2, slots, qv.scale)
         self.v_zero.index_copy_(2, slots, qv.zero)
+
+    def _write_int8_whole(self, k: torch.Tensor, qv: quant.Quantized) -> None:
+        """Every slot rewritten, in slot order (a frame that fills its partition, as FIFO over one frame does each
+        frame): no key group keeps an old member, so each is quantized from its new tokens alone. The codes and
+        scales equal the general path's (same ranges, same rounding) without its gather and scatter."""
+        sd, G, C = self.spec.torch_scale_dtype, self.spec.key_group, self.capacity
+        full = C // G * G  # slots in whole groups; the last group may hold fewer (C % G)
+        for start, end, group in ((0, full, G), (full, C, C - full)):
+            if end > start:
+                qk = quant.quantize_keys(k[:, :, start:end], group, sd)  # data [L, H, end-start, D]
+                first = start // G
+                self.k[:, :, start:end].copy_(qk.data)
+                self.k_scale[:, :, first : first + qk.scale.shape[2]].copy_(qk.scale)  # [L, H, groups, D]
+                self.k_zero[:, :, first : first + qk.zero.shape[2]].copy_(qk.zero)
+        self.v.copy_(qv.data)
+        self.v_scale.copy_(qv.scale)
+        self.v_zero.copy_(qv.zero)
 
     # ------------------------------------------------------------------ read
 
