@@ -99,6 +99,15 @@ def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: 
     out.index_copy_(dim, rows, new)
 
 
+def _stage_rows(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """out [T, W] <- old with `rows` replaced by new [n, W]; rows None: new holds every row."""
+    if rows is None:
+        out.copy_(new)
+    else:
+        out.copy_(old)
+        out.index_copy_(0, rows, new)
+
+
 class VisionTokenCache:
     def __init__(self, tower: VisionTower, num_cameras: int, dtype: torch.dtype = torch.float32, *,
                  attend_all: bool = True, fresh_embeddings: bool = False, drift_threshold: float | None = None,
@@ -114,6 +123,9 @@ class VisionTokenCache:
         self.shared_drift_samples = shared_drift_samples
         self.attend_all, self.fresh_embeddings, self.drift_threshold = attend_all, fresh_embeddings, drift_threshold
         self.layer_budget = layer_budget
+        # x_ref is read by the per-layer drift gates only (and layer 0's as the reused tokens' embeddings), mid_ref
+        # by the MLP's gate only: without those gates the stage skips writing them
+        self._track_inputs = drift_threshold is not None or layer_budget is not None
         emb = tower.embeddings
         layers = tower.encoder.layers
         attn = layers[0].self_attn
@@ -197,12 +209,12 @@ class VisionTokenCache:
         k = a.k_proj(h).reshape(n, H, hd).transpose(0, 1)
         v = a.v_proj(h).reshape(n, H, hd).transpose(0, 1)
         if full:
-            sq.copy_(q), sk.copy_(k), sv.copy_(v), sx.copy_(x)
+            sq.copy_(q), sk.copy_(k), sv.copy_(v)
         else:
             for buf, new, old in ((sq, q, live["q"][i]), (sk, k, live["k"][i]), (sv, v, live["v"][i])):
                 shift_reused(buf, old, new, rows, sample, 1)
-            sx.copy_(live["x_ref"][i])
-            sx.index_copy_(0, rows, xr)
+        if self._track_inputs or i == 0:
+            _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
         if full or (self.attend_all and not self.shared_drift_samples):
             attn = softmax_attention(sq, sk, sv)  # [H, T, hd]
@@ -217,14 +229,12 @@ class VisionTokenCache:
             n = rows.numel()
             full = n == T
             self._staged_rows[camera][i] = n
-        smid = st["mid_ref"][i]
+        mid = x if full else x.index_select(0, rows)  # [n, W]
+        if self.drift_threshold is not None:
+            _stage_rows(st["mid_ref"][i], live["mid_ref"][i], mid, None if full else rows)
         if full:
-            smid.copy_(x)
             sm.copy_(layer.mlp(layer.layer_norm2(x)))
         else:
-            smid.copy_(live["mid_ref"][i])
-            mid = x.index_select(0, rows)  # [n, W]
-            smid.index_copy_(0, rows, mid)
             shift_reused(sm, live["mlp_out"][i], layer.mlp(layer.layer_norm2(mid)), rows, sample, 0)
         x.add_(sm)
 
@@ -278,6 +288,7 @@ class FrameTokenCache:
         self.layers, self.rope = layers, rope
         self.shared_drift_samples = shared_drift_samples
         self.attend_all, self.drift_threshold, self.layer_budget = attend_all, drift_threshold, layer_budget
+        self._track_inputs = drift_threshold is not None or layer_budget is not None  # as VisionTokenCache's
         a = layers[0].self_attn
         L, H, KV, hd = len(layers), a.heads, a.kv_heads, a.head_dim
         hidden = a.q_proj.in_features
@@ -340,16 +351,16 @@ class FrameTokenCache:
             n = rows.numel()
             self.staged_rows[i] = n
             full = n == T
-            sq, sx = s["q"][i], s["x_ref"][i]
+            sq = s["q"][i]
             if full:
                 sq.copy_(apply_rope(a.q_proj(h).reshape(T, H, hd).transpose(0, 1), cos, sin))  # -> [H, T, hd]
-                sx.copy_(xs)
             else:
                 sq.copy_(self.q[i])
                 q = a.q_proj(h.index_select(0, rows)).reshape(n, H, hd).transpose(0, 1)  # [n, H*hd] -> [H, n, hd]
                 sq.index_copy_(1, rows, apply_rope(q, cos.index_select(0, rows), sin.index_select(0, rows)))
-                sx.copy_(self.x_ref[i])
-                sx.index_copy_(0, rows, xs.index_select(0, rows))
+            if self._track_inputs:
+                _stage_rows(s["x_ref"][i], self.x_ref[i], xs if full else xs.index_select(0, rows),
+                            None if full else rows)
             own = Segment(s["k"][i], s["v"][i], None)
             sa, sm = s["attn_out"][i], s["mlp_out"][i]
             if full or (self.attend_all and not self.shared_drift_samples):
@@ -364,14 +375,12 @@ class FrameTokenCache:
                 rows = drifted_rows(xs, self.mid_ref[i], rows, self.drift_threshold, self._mask)
                 full = rows.numel() == T
                 self.staged_rows[i] = rows.numel()
-            smid = s["mid_ref"][i]
+            mid = xs if full else xs.index_select(0, rows)  # [n, hidden]
+            if self.drift_threshold is not None:
+                _stage_rows(s["mid_ref"][i], self.mid_ref[i], mid, None if full else rows)
             if full:
-                smid.copy_(xs)
                 sm.copy_(layer.mlp(layer.post_attention_layernorm(xs)))
             else:
-                smid.copy_(self.mid_ref[i])
-                mid = xs.index_select(0, rows)  # [n, hidden]
-                smid.index_copy_(0, rows, mid)
                 shift_reused(sm, self.mlp_out[i], layer.mlp(layer.post_attention_layernorm(mid)), rows, sample, 0)
             xs.add_(sm)
         self._staged, self._staged_context = True, context
