@@ -1,7 +1,7 @@
 """Partial recompute of the vision tower (Eventful Transformers style, with a dense residual stream).
 
 Per camera the cache keeps, for every layer and token: the layer's input when the token was last recomputed there
-(`x_ref`), its query, key and value, and the two residual updates the layer added (attention after out_proj,
+(`x_ref`; with the drift gates below, and layer 0's always), its query, key and value, and the two residual updates the layer added (attention after out_proj,
 `attn_out`; MLP, `mlp_out`); and the final outputs. A frame in which only some patches changed runs the residual
 stream of every token through every layer, but recomputes the expensive parts only for some:
 
