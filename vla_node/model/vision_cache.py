@@ -1,9 +1,10 @@
 """Partial recompute of the vision tower (Eventful Transformers style, with a dense residual stream).
 
 Per camera the cache keeps, for every layer and token: the layer's input when the token was last recomputed there
-(`x_ref`; with the drift gates below, and layer 0's always), its query, key and value, and the two residual updates the layer added (attention after out_proj,
-`attn_out`; MLP, `mlp_out`); and the final outputs. A frame in which only some patches changed runs the residual
-stream of every token through every layer, but recomputes the expensive parts only for some:
+(`x_ref`; only with the drift gates below, but layer 0's always), its query, key and value, and the two residual
+updates the layer added (attention after out_proj, `attn_out`; MLP, `mlp_out`); and the final outputs. A frame in
+which only some patches changed runs the residual stream of every token through every layer, but recomputes the
+expensive parts only for some:
 
   - recomputed tokens (the gate's changed patches, plus at each layer those whose input drifted by more than
     `drift_threshold` (relative L2) since they were last recomputed there, or with a `layer_budget` the most drifted
