@@ -7,7 +7,8 @@ Compute dtype: fp32 (as launch/cpu.toml), bf16, or auto (bf16 where the CPU has 
 the reference and transformers compute in the same dtype.
 
 What it measures (same weights, same synthetic 640x480 frame, one process, one thread by default):
-  - action_tick_ms, vision_update_ms (full refresh), text_update_ms of MultiRatePolicy with the default
+  - action_tick_ms, vision_update_ms (full refresh, from the 640x480 frame: its resize to the model's input is
+    timed too, as in the reference step and transformers' run), text_update_ms of MultiRatePolicy with the default
     cache (text bf16, vision int8, action fp32), interleaved round by round with reference_step_ms
     (ReferencePolicy.step, full recompute) so that a load change on a shared machine hits all alike;
     action_tick_after_commit_ms: the tick that follows a text or vision update, which also recomputes the
@@ -249,17 +250,17 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
     cases = {
         "action_tick_after_commit": lambda: main.action_tick(state),
         "action_tick": lambda: main.action_tick(state),
-        "vision_update": lambda: main.update_vision(images),
+        "vision_update": lambda: main.update_vision(main.prepare_frames([frame])),
         "text_update": lambda: main.update_text(next(instructions)),
         "reference_step": lambda: reference.step([frame], INSTRUCTION, state),
         f"{other_mode}_action_tick_after_commit": lambda: other.action_tick(state),
         f"{other_mode}_action_tick": lambda: other.action_tick(state),
-        f"{other_mode}_vision_update": lambda: other.update_vision(images),
+        f"{other_mode}_vision_update": lambda: other.update_vision(other.prepare_frames([frame])),
     }
     if weights in ("fp16", "packed"):  # the same stages with plain weights, in the same rounds
         plain_policy, plain_reference = policies["plain weights"], ReferencePolicy(plain, dtype)
         cases["plain_weights_action_tick"] = lambda: plain_policy.action_tick(state)
-        cases["plain_weights_vision_update"] = lambda: plain_policy.update_vision(images)
+        cases["plain_weights_vision_update"] = lambda: plain_policy.update_vision(plain_policy.prepare_frames([frame]))
         cases["plain_weights_reference_step"] = lambda: plain_reference.step([frame], INSTRUCTION, state)
     cases["hf_generate"] = hf_generate_step(base, ReferencePolicy(base), frame, INSTRUCTION,
                                             fp16_weights=weights == "fp16", dtype=dtype)
