@@ -27,7 +27,17 @@ def _run(tmp_path, compute_dtype):
     assert all(result[key] > 0 for key in KEYS if key.endswith("_ms"))
     for key, target in result["targets"].items():
         assert target["met"] == (result[key] >= target["target"])
+        rounds = target["per_round"]
+        assert rounds["min"] <= rounds["median"] <= rounds["max"] and rounds["rounds"] == 1
+        assert rounds["met_rounds"] == (rounds["median"] >= target["target"])  # one round: its ratio is the median
     return result
+
+
+def test_per_round_ratio_sums_each_rounds_cases():
+    timing = {"a": {"samples": [10.0, 30.0, 20.0]}, "b": {"samples": [1.0, 2.0, 4.0]},
+              "c": {"samples": [1.0, 1.0, 1.0]}}
+    ratios = bench_cache.per_round_ratio(timing, ("a",), ("b", "c"), target=5.0)  # 10/2, 30/3, 20/5
+    assert ratios == {"min": 4.0, "median": 5.0, "max": 10.0, "met_rounds": 2, "rounds": 3}
 
 
 @pytest.mark.skipif(not fp16_weights_available(), reason="fbgemm (x86-64) is not in this torch")
