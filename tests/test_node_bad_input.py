@@ -57,6 +57,9 @@ CASES = {
     "unknown_command_topic": (lambda: [b"instructions", pack({"v": 1, "seq": 1, "stamp_ns": 1, "text": "x"})], True,
                               "unknown_topic"),
     "wrong_part_count": (lambda: [b"frame/front", pack(frame_header())], False, "bad_parts"),
+    # stamps are the host's CLOCK_MONOTONIC: one 10 s ahead is another clock's, its age unknowable
+    "stamp_from_the_future": (lambda: [b"frame/front", pack(frame_header(stamp_ns=time.monotonic_ns() + 10**10)),
+                                       pixels()], False, "future_stamp"),
 }
 
 

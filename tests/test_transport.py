@@ -19,7 +19,7 @@ from vla_node.keys import create_keys, key_paths
 from vla_node.protocol import (
     CameraSpec, Instruction, ProtocolError, State, decode_command, decode_frame, encode_action, encode_health,
 )
-from vla_node.transport import Client, NodeTransport, TransportConfig
+from vla_node.transport import OTHER_TOPICS, Client, NodeTransport, TransportConfig
 from vla_node.validate import ConfigError, from_dict
 
 pytestmark = pytest.mark.node
@@ -194,6 +194,21 @@ def test_drain_is_bounded_per_call(pair) -> None:
     assert decode_frame(first[b"frame/front"], CAMERAS).seq == 9 and dropped_first == 9
     rest, dropped_rest = node.drain_frames()
     assert decode_frame(rest[b"frame/front"], CAMERAS).seq == 29 and dropped_rest == 19
+
+
+def test_topics_of_cameras_not_configured_share_one_bounded_group(pair) -> None:
+    """A flood of distinct unknown camera topics must not keep `keep` messages each until the drain ends."""
+    node, client = pair
+    for seq in range(60):
+        client.send_parts([f"frame/junk{seq}".encode(), pack({"v": 1}), b"x" * 1000])
+    client.send_frame("front", 7, 7, IMAGE)
+    wait_readable(node)
+    groups = node.drain_frame_messages({b"frame/front", b"frame/wrist"}, keep=3)
+    assert set(groups) == {b"frame/front", OTHER_TOPICS}
+    kept, discarded = groups[OTHER_TOPICS]
+    assert len(kept) == 3 and discarded == 57  # the newest three unknown ones are decoded (and rejected)
+    assert [bytes(m[0].bytes) for m in kept] == [b"frame/junk57", b"frame/junk58", b"frame/junk59"]
+    assert decode_frame(groups[b"frame/front"][0][-1], CAMERAS).seq == 7
 
 
 def test_commands_drain_all_in_order(pair) -> None:

@@ -3,6 +3,12 @@
 No sockets here (the transport drains them); every message is validated, and every drop and reject is
 counted with its reason. Latest frame wins: an older frame still unprocessed when a newer one arrives is
 counted as dropped.
+
+Stamps are the host's CLOCK_MONOTONIC (DESIGN 9), so they order messages across sender restarts (a restarted
+client counts its seq from 0 again; its stamps keep growing). A frame or command stamped after the drain that
+received it (beyond FUTURE_TOLERANCE_NS) carries another clock: it is rejected as `future_stamp`, since its age
+could never be judged. The newest instruction and state by (stamp_ns, seq) win; an older one arriving later is
+rejected as `stale_command`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import numpy as np
 
 from vla_node.codec import CodecError
 from vla_node.protocol import CameraSpec, Frame, Instruction, ProtocolError, ProtocolLimits, decode_command, decode_frame
+
+FUTURE_TOLERANCE_NS = 1_000_000  # a stamp this far past the drain's clock reading is still taken as this host's
 
 
 @dataclass
@@ -38,8 +46,9 @@ class Ingest:
         self.stats = {name: CameraStats() for name in self.order}
         self.rejects: Counter[str] = Counter()
         self.instruction: str | None = None  # the newest accepted instruction text
-        self.instruction_seq = -1
+        self.instruction_order: tuple[int, int] | None = None  # its (stamp_ns, seq)
         self.state: np.ndarray | None = None
+        self.state_order: tuple[int, int] | None = None
         self.commands = 0
         self.dropped_in_queue = 0  # older frames drained together with a newer valid one of the same camera
         self.dropped_unattributed = 0  # discarded unread in a burst of which no message was valid
@@ -49,24 +58,27 @@ class Ingest:
 
     def add_frames(self, groups: dict, now_ns: int) -> None:
         """groups: topic -> (newest messages oldest first, older ones discarded unread), from
-        NodeTransport.drain_frame_messages. The newest valid message per topic is kept; newer invalid ones are
-        rejected with their reason; older ones count as dropped (superseded before the model saw them)."""
+        NodeTransport.drain_frame_messages; now_ns: the clock read after that drain. The newest valid message per
+        topic is kept; newer invalid ones are rejected with their reason; older ones count as dropped (superseded
+        before the model saw them)."""
         for group, discarded in groups.values():
             frame = None
             for index in range(len(group) - 1, -1, -1):  # newest first
                 try:
-                    frame = decode_frame(group[index], self.cameras, self.limits)
+                    candidate = decode_frame(group[index], self.cameras, self.limits)
                 except (ProtocolError, CodecError) as e:
                     self.reject(getattr(e, "reason", "bad_message"))
                     continue
+                if candidate.stamp_ns > now_ns + FUTURE_TOLERANCE_NS:
+                    self.reject("future_stamp")
+                    continue
+                frame = candidate
                 break
             if frame is None:
                 self.dropped_unattributed += discarded  # no valid frame names their camera
                 continue
             index += discarded  # messages older than the kept one
             self.dropped_in_queue += index
-            if frame is None:
-                continue
             stats = self.stats[frame.camera]
             stats.received += 1 + index
             stats.window_count += 1 + index
@@ -78,24 +90,34 @@ class Ingest:
             self.latest[frame.camera] = frame
             self.current[frame.camera] = frame
 
-    def add_commands(self, messages: list) -> None:
+    def add_commands(self, messages: list, now_ns: int) -> None:
+        """Command messages oldest first (NodeTransport.drain_commands); now_ns: the clock read after that drain."""
         for parts in messages:
             try:
                 command = decode_command(parts, self.limits)
             except (ProtocolError, CodecError) as e:
                 self.reject(getattr(e, "reason", "bad_message"))
                 continue
+            if command.stamp_ns > now_ns + FUTURE_TOLERANCE_NS:
+                self.reject("future_stamp")
+                continue
+            order = (command.stamp_ns, command.seq)
             if isinstance(command, Instruction):
                 if len(command.text.encode("utf-8")) > self.max_text_bytes:
                     self.reject("instruction_too_long")
                     continue
-                if command.seq > self.instruction_seq or self.instruction is None:
-                    self.instruction, self.instruction_seq = command.text, command.seq
+                if self.instruction_order is not None and order <= self.instruction_order:
+                    self.reject("stale_command")
+                    continue
+                self.instruction, self.instruction_order = command.text, order
             else:
                 if command.values.shape != (self.state_dim,):
                     self.reject("bad_state_dim")
                     continue
-                self.state = command.values
+                if self.state_order is not None and order <= self.state_order:
+                    self.reject("stale_command")
+                    continue
+                self.state, self.state_order = command.values, order
             self.commands += 1
 
     def ready(self) -> bool:

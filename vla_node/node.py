@@ -24,7 +24,7 @@ import torch
 from vla_node.config import NodeConfig
 from vla_node.ingest import Ingest
 from vla_node.pipeline import Pipeline
-from vla_node.protocol import encode_action, encode_health
+from vla_node.protocol import FRAME_TOPIC_PREFIX, encode_action, encode_health
 from vla_node.scheduler import ControlClock
 from vla_node.signals import SignalFlag
 from vla_node.transport import NodeTransport
@@ -66,6 +66,7 @@ class Node:
         c = self.pipeline.policy.config
         self.ingest = Ingest([cam.spec() for cam in config.cameras], config.limits, c.state_dim,
                              c.max_text_tokens - 1)
+        self.frame_topics = frozenset(FRAME_TOPIC_PREFIX + cam.name.encode() for cam in config.cameras)
         self.transport: NodeTransport | None = None
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
@@ -113,9 +114,10 @@ class Node:
         while not self.stop_event.is_set():
             if not transport.poll(5):
                 continue
-            now = self.clock()
-            ingest.add_commands(transport.drain_commands())
-            ingest.add_frames(transport.drain_frame_messages(), now)
+            commands, frames = transport.drain_commands(), transport.drain_frame_messages(self.frame_topics)
+            now = self.clock()  # after the drains: nothing drained can be stamped later on this host's clock
+            ingest.add_commands(commands, now)
+            ingest.add_frames(frames, now)
             if ingest.ready():
                 pipeline.process(ingest.take(), ingest.instruction, ingest.state)
 

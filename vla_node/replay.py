@@ -134,7 +134,7 @@ def _stream(client: Client, drive: DriveReader, commands: list[DriveMessage], ca
     period_ns = drive.duration_ns // max(drive.frame_count // max(len(drive.cameras), 1) - 1, 1)
     loop_span_ns = drive.duration_ns + period_ns  # one frame period between the end of a loop and the next
     seqs = {camera: 0 for camera in cameras.values()}
-    command_seq = time.monotonic_ns() // 1000  # above any earlier replay's: ingest keeps the highest instruction seq
+    command_seq = 0  # the node orders commands by stamp_ns, then seq: a new replay's are newer whatever their seq
     sent: list[SentFrame] = []
     lag_ms: list[float] = []
     total = 0

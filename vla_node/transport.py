@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -108,6 +108,7 @@ class TransportConfig:
 # a connection down while its ZAP request is in flight aborts libzmq 4.3.5: "Transport endpoint is not connected
 # (src/zap_client.cpp:50)").
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+OTHER_TOPICS = b"frame/"  # drain_frame_messages' one group for the topics of cameras not configured
 RECONNECT_AFTER_NS = 100_000_000  # at most one reconnect per socket per 100 ms (libzmq's own reconnect interval)
 
 
@@ -233,12 +234,14 @@ class NodeTransport:
                                 watched.address)
         return ready
 
-    def drain_frame_messages(self, max_messages: int = 1000, keep: int = 3
+    def drain_frame_messages(self, topics: Collection[bytes] | None = None, max_messages: int = 1000, keep: int = 3
                              ) -> dict[bytes, tuple[list[list[zmq.Frame]], int]]:
         """Receive every queued frame message (at most max_messages) without blocking, grouped by topic:
         {topic: (the newest `keep` messages oldest first as [topic, header, payload] zmq.Frames, number of
         older ones discarded unread)}. Parts are unvalidated; the node validates the newest first and falls
-        back to an older one when the newest is bad. Keeping a few bounds memory during a burst."""
+        back to an older one when the newest is bad. Keeping a few per group bounds memory during a burst;
+        with `topics` (the configured cameras' topics) every other topic shares one group, OTHER_TOPICS, so
+        that a flood of distinct unknown topics holds no more than `keep` messages either."""
         groups: dict[bytes, tuple[collections.deque, list[int]]] = {}
         sock = self.frames_sub
         for _ in range(max_messages):
@@ -246,7 +249,10 @@ class NodeTransport:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            kept, discarded = groups.setdefault(parts[0].bytes, (collections.deque(maxlen=keep), [0]))
+            topic = parts[0].bytes
+            if topics is not None and topic not in topics:
+                topic = OTHER_TOPICS
+            kept, discarded = groups.setdefault(topic, (collections.deque(maxlen=keep), [0]))
             if len(kept) == keep:
                 discarded[0] += 1
             kept.append(parts)
@@ -255,7 +261,7 @@ class NodeTransport:
     def drain_frames(self, max_messages: int = 1000) -> tuple[dict[bytes, list[zmq.Frame]], int]:
         """Like drain_frame_messages, keeping only the newest per topic: ({topic: parts}, number of older
         ones dropped)."""
-        groups = self.drain_frame_messages(max_messages, keep=1)
+        groups = self.drain_frame_messages(max_messages=max_messages, keep=1)
         return {topic: kept[-1] for topic, (kept, _) in groups.items()}, sum(n for _, n in groups.values())
 
     def drain_commands(self, max_messages: int = 1000) -> list[list[bytes]]:
