@@ -47,6 +47,41 @@ def assert_incremental_equals_reference(policy: MultiRatePolicy, reference: Refe
         np.testing.assert_array_equal(ours.bins, theirs.bins)
 
 
+def test_a_parallel_tick_longer_than_every_other_block_fits_the_gather_workspace():
+    """Without the prefix buffer, a parallel tick's block is the state plus H*D queries: 1 + 24 rows here, more
+    than the 24 text slots (the longest other block)."""
+    config = preset("tiny").replace(action_horizon=12)
+    cache = CacheConfig(text_dtype="fp32", action_dtype="fp32", attention="gather", tick_prefix=False,
+                        vision=VisionMemoryConfig(storage_dtype="fp32"))
+    assert 1 + config.action_tokens > max(config.tokens_per_frame, config.max_text_tokens, config.state_slots)
+    assert_incremental_equals_reference(MultiRatePolicy(build_vla(config, seed=5), cache),
+                                        ReferencePolicy(build_vla(config, seed=5)))
+
+
+@pytest.mark.parametrize("decode", ["parallel", "autoregressive"])
+@pytest.mark.parametrize("window", [1, 2])  # 1: the decoder's frame-token cache; 2: a plain frame block
+def test_a_stage_reports_the_fraction_of_the_whole_stage_done(decode, window):
+    """The pipeline asks at each check whether the rest of the stage (1 - fraction) still fits: the fractions a
+    stage reports must only grow, from 0 to below 1, across its towers, its decoder blocks and its queries."""
+    config = preset("tiny").replace(vision_frames=window, num_cameras=2, action_decode=decode)
+    policy = MultiRatePolicy(build_vla(config, seed=1), CacheConfig())
+    frames = list(frames_and_states(3))
+
+    def fractions(stage) -> list[float]:
+        seen = []
+        stage(lambda fraction: seen.append(fraction) or True)
+        assert seen and seen[0] == 0.0 and all(a <= b for a, b in zip(seen, seen[1:])) and seen[-1] < 1.0, seen
+        return seen
+
+    fractions(lambda check: policy.update_text("go", check))
+    for frame, state in frames[:2]:
+        vision = fractions(lambda check: policy.update_vision(policy.prepare_frames([frame, frame]), check=check))
+        assert 0.5 in vision and max(vision) > 0.5  # the towers, then the decoder
+        fractions(lambda check: policy.action_tick(state, check))
+    text = fractions(lambda check: policy.update_text("stop", check))  # the text, then the cached frames
+    assert max(text) > 0.5
+
+
 def test_aborted_stages_leave_the_cache_unchanged():
     config = preset("tiny").replace(vision_frames=2)
     policy = MultiRatePolicy(build_vla(config, seed=1), CacheConfig())

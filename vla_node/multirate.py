@@ -39,7 +39,7 @@ from vla_node.reference import ActionChunk, check_state
 from vla_node.reuse import ReuseConfig
 from vla_node.validate import require
 
-Check = Callable[[float], bool]  # called with the fraction of the block done; False = stop now (out of budget)
+Check = Callable[[float], bool]  # called with the fraction of the stage done; False = stop now (out of budget)
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
 
 
@@ -56,6 +56,14 @@ def on_device(verb):
 
 class StageAborted(Exception):
     """A stage stopped at a budget check; nothing was committed."""
+
+
+def span(check: Check | None, start: float, end: float) -> Check | None:
+    """The check of a part of a stage that runs from `start` to `end` of it: the part's own fraction done f is
+    passed on as start + (end - start) f, so that the fractions a stage reports only grow."""
+    if check is None:
+        return None
+    return lambda fraction: check(start + (end - start) * fraction)
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ class MultiRatePolicy:
             # the longest key list: text | vision partitions | old states | the staged state | queries
             total = c.max_text_tokens + sum(p.capacity for p in self.vision.partitions) + c.state_slots + 1
             total += c.action_tokens
-            longest_block = max(c.tokens_per_frame, c.max_text_tokens, c.action_tokens, c.state_slots)
+            longest_block = max(c.tokens_per_frame, c.max_text_tokens, 1 + c.action_tokens, c.state_slots)
             self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev)
         self.text_ids: list[int] = []
         self.instruction: str | None = None
@@ -287,19 +295,21 @@ class MultiRatePolicy:
         n = len(ids)
         k_text, v_text = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         x = self.model.embed_text(torch.tensor(ids))
+        total = n + len(self._frame_ids) * c.tokens_per_frame  # the stage's parts, weighted by their tokens
         self._run_block(x, torch.arange(n), self._over_segments(lambda layer: [], self._causal[:n, :n]), k_text, v_text,
-                        check, output=False)
+                        span(check, 0.0, n / total), output=False)
         staged_text = lambda layer: [Segment(k_text[layer], v_text[layer], None)]  # noqa: E731
         # frames, each over the new text and itself
         frames = []
         offset = c.max_text_tokens
-        for frame_id in self._frame_ids:
+        for index, frame_id in enumerate(self._frame_ids):
+            done = n + index * c.tokens_per_frame
             slot = frame_id % c.vision_frames
             k_f = self._stage_k[:, :, offset : offset + c.tokens_per_frame]
             v_f = self._stage_v[:, :, offset : offset + c.tokens_per_frame]
             positions = torch.tensor(c.vision_positions(slot))
             self._run_block(self._frame_embeds[slot], positions, self._over_segments(staged_text, None), k_f, v_f,
-                            check, output=False)
+                            span(check, done / total, (done + c.tokens_per_frame) / total), output=False)
             frames.append((frame_id, k_f, v_f, positions))
             offset += c.tokens_per_frame
         # commit: nothing above touched the cache
@@ -338,13 +348,17 @@ class MultiRatePolicy:
         partial = frames is not None and bool(self._frame_ids) and all(self.tower_cache.valid) \
             and all(t is not None for t in tokens) and frames.context == self.instruction
         try:
-            outputs = [self.tower_cache.refresh(cam, pixels[cam], tokens[cam], check) for cam in range(c.num_cameras)]
+            # the towers take about the first half of the stage, the decoder the second
+            C = c.num_cameras
+            outputs = [self.tower_cache.refresh(cam, pixels[cam], tokens[cam], span(check, 0.5 * cam / C,
+                                                                                     0.5 * (cam + 1) / C))
+                       for cam in range(C)]
             if check is not None and not check(0.5):
                 raise StageAborted("stopped after the vision tower")
             if frames is not None:
-                self._update_tokens(outputs, tokens if partial else None, check, scene_cut)
+                self._update_tokens(outputs, tokens if partial else None, span(check, 0.5, 1.0), scene_cut)
             else:
-                self._admit(self.model.project_vision(torch.stack(outputs)), scene_cut, check)  # [C, T, W]
+                self._admit(self.model.project_vision(torch.stack(outputs)), scene_cut, span(check, 0.5, 1.0))
             refreshed = sum(T if t is None else math.ceil(self.tower_cache.recomputed_tokens(cam))
                             for cam, t in enumerate(tokens))
         except (StageAborted, VisionStageAborted) as e:
@@ -450,7 +464,9 @@ class MultiRatePolicy:
             bins, k_s, v_s, refreshed = self._decode_tick(x, position, check)
         else:
             k_s, v_s = self._stage_k[:, :, -1:], self._stage_v[:, :, -1:]
-            self._run_block(x, position, self._over_segments(self._vision_prefix, None), k_s, v_s, check)
+            parts = 1 + c.action_tokens  # the state's block, then one per query, a row each
+            self._run_block(x, position, self._over_segments(self._vision_prefix, None), k_s, v_s,
+                            span(check, 0.0, 1 / parts))
 
             def prefix(layer: int) -> list[Segment]:
                 old = self._segment(self.action, layer)
@@ -532,8 +548,9 @@ class MultiRatePolicy:
             def with_queries(layer: int, i: int = i) -> list[Segment]:
                 return [*prefix(layer), Segment(qk[layer, :, :i], qv[layer, :, :i], None)]
 
+            part = span(check, (i + 1) / (n + 1), (i + 2) / (n + 1))  # after the state's block
             h = self._run_block(x, positions[i : i + 1], self._over_segments(with_queries, None, importance),
-                                qk[:, :, i : i + 1], qv[:, :, i : i + 1], check)
+                                qk[:, :, i : i + 1], qv[:, :, i : i + 1], part)
             self._logits[i].copy_(m.decoder.logits(h)[0])
             bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
         return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]

@@ -184,7 +184,7 @@ class VisionTokenCache:
             x.copy_(live["x_ref"][0])
             x[tokens] = emb.embed_patches(patches[tokens][None], tokens)[0]
         for i, layer in enumerate(self.tower.encoder.layers):
-            if check is not None and not check(0.5 * i / self.num_layers):  # the tower is about half the stage
+            if check is not None and not check(i / self.num_layers):
                 raise VisionStageAborted(f"stopped before vision layer {i}")
             self._layer(i, layer, x, tokens, live, st, camera)
         st["out"].copy_(self.tower.post_layernorm(x))
