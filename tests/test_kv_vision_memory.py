@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -48,17 +49,34 @@ def frames_held(mem: VisionMemory, segment: int = 0) -> dict[int, int]:
 def test_config_names_the_bad_value_and_suggests():
     with pytest.raises(ConfigError, match=r"policy = 'fifi'.*did you mean 'fifo'"):
         VisionMemoryConfig(policy="fifi")
-    with pytest.raises(ConfigError, match=r"capacity_tokens = 10: expected >= 784 for policy 'fifo'"):
-        VisionMemoryConfig(capacity_tokens=10)
+    sized = {"window_frames": 4, "tokens_per_frame": 196}
+    with pytest.raises(ConfigError, match=r"capacity_tokens = 10: expected >= 784 for policy 'fifo' \(window_frames"):
+        VisionMemoryConfig(capacity_tokens=10, **sized)
     with pytest.raises(ConfigError, match=r"quota_decay = 1.5"):
         VisionMemoryConfig(quota_decay=1.5)
     with pytest.raises(ConfigError, match=r"hot_tokens = 10"):
-        VisionMemoryConfig(policy="tiered", hot_tokens=10)
+        VisionMemoryConfig(policy="tiered", hot_tokens=10, **sized)
     with pytest.raises(ConfigError, match=r"cache.vision.h2o_protect_frmes: unknown key.*did you mean"):
         from_dict(VisionMemoryConfig, {"policy": "h2o", "h2o_protect_frmes": 2}, "cache.vision")
-    cfg = from_dict(VisionMemoryConfig, {"policy": "quota", "quota_decay": 1, "window_frames": 4}, "cache.vision")
+    cfg = from_dict(VisionMemoryConfig, {"policy": "quota", "quota_decay": 1, **sized}, "cache.vision")
     assert cfg.capacity == 196 * 4 and cfg.quota(0) == 196
-    assert VisionMemoryConfig(policy="quota").capacity == 196 + 98 + 49 + 32
+    assert VisionMemoryConfig(policy="quota", **sized).capacity == 196 + 98 + 49 + 32
+    with pytest.raises(ConfigError, match=r"window_frames, tokens_per_frame = \(None, None\): expected both set"):
+        VisionMemoryConfig().capacity
+
+
+def test_config_sizes_default_to_the_models_and_bound_knobs_once_known():
+    """A launch file's cache.vision is read before the model is known: knobs bounded by the window and the frame
+    size are checked when the policy fills those in (tiny: 4 tokens per frame)."""
+    from vla_node.model import build_vla, preset
+    from vla_node.multirate import CacheConfig, MultiRatePolicy
+
+    vision = from_dict(VisionMemoryConfig, {"policy": "tiered", "capacity_tokens": 8, "hot_tokens": 4}, "cache.vision")
+    model = build_vla(preset("tiny").replace(vision_frames=3), seed=0)
+    policy = MultiRatePolicy(model, CacheConfig(vision=vision))
+    assert [p.capacity for p in policy.vision.partitions] == [8, 4]
+    with pytest.raises(ConfigError, match=r"capacity_tokens = 7: expected >= 8 for policy 'tiered'"):
+        MultiRatePolicy(model, CacheConfig(vision=dataclasses.replace(vision, capacity_tokens=7)))
 
 
 def test_constructor_with_a_policy_name_and_checks():

@@ -30,6 +30,10 @@ def _positive_int(key: str, value: object) -> None:
 class VisionMemoryConfig:
     """Vision memory over `window_frames` frames of `tokens_per_frame` tokens.
 
+    window_frames, tokens_per_frame: None = the model's (MultiRatePolicy fills them in, and VisionMemory from its
+      own arguments); the knobs bounded by them (capacity_tokens, hot_tokens, h2o_protect_frames, a tiered
+      window) are checked once both are known.
+
     capacity_tokens: slots of the main (int8 by default) partition; None = what the policy needs for a
       full window (fifo/merge/h2o: W x tpf, quota: the sum of the quotas, tiered: W x tpf - hot tokens).
     quota_*: quota(age) = max(min(quota_min_tokens, tpf), floor(tpf x quota_decay^age)); age 0 = newest frame.
@@ -43,8 +47,8 @@ class VisionMemoryConfig:
     """
 
     policy: str = "fifo"
-    window_frames: int = 4
-    tokens_per_frame: int = 196
+    window_frames: int | None = None
+    tokens_per_frame: int | None = None
     capacity_tokens: int | None = None
     storage_dtype: str = "int8"
     key_group: int = 64
@@ -62,8 +66,9 @@ class VisionMemoryConfig:
         choose("policy", self.policy, POLICIES)
         choose("storage_dtype", self.storage_dtype, STORAGE_DTYPES)
         choose("hot_dtype", self.hot_dtype, HOT_DTYPES)
-        _positive_int("window_frames", self.window_frames)
-        _positive_int("tokens_per_frame", self.tokens_per_frame)
+        for key in ("window_frames", "tokens_per_frame"):
+            if getattr(self, key) is not None:
+                _positive_int(key, getattr(self, key))
         _positive_int("key_group", self.key_group)
         require(_number(self.quota_decay) and 0.0 < self.quota_decay <= 1.0, "quota_decay",
                 self.quota_decay, "a number in (0, 1]")
@@ -74,33 +79,51 @@ class VisionMemoryConfig:
                 self.merge_threshold, "a cosine similarity in [-1, 1]")
         require(self.merge_layer is None or (isinstance(self.merge_layer, int) and self.merge_layer >= 0),
                 "merge_layer", self.merge_layer, "none (average over layers) or a layer index >= 0")
-        require(isinstance(self.h2o_protect_frames, int) and 0 <= self.h2o_protect_frames < self.window_frames,
-                "h2o_protect_frames", self.h2o_protect_frames, f"an integer in [0, window_frames={self.window_frames})")
+        require(isinstance(self.h2o_protect_frames, int) and not isinstance(self.h2o_protect_frames, bool)
+                and self.h2o_protect_frames >= 0, "h2o_protect_frames", self.h2o_protect_frames, "an integer >= 0")
         require(_number(self.importance_decay) and 0.0 < self.importance_decay <= 1.0,
                 "importance_decay", self.importance_decay, "a number in (0, 1]")
         if self.hot_tokens is not None:
-            require(isinstance(self.hot_tokens, int) and self.tokens_per_frame <= self.hot_tokens
-                    < self.window_frames * self.tokens_per_frame, "hot_tokens", self.hot_tokens,
-                    f"none (one frame) or an integer in [tokens_per_frame={self.tokens_per_frame}, "
-                    f"window_frames x tokens_per_frame={self.window_frames * self.tokens_per_frame})")
-        if self.policy == "tiered":
-            require(self.window_frames >= 2, "window_frames", self.window_frames,
-                    "at least 2 with policy 'tiered' (the cold tier holds the older frames)")
+            _positive_int("hot_tokens", self.hot_tokens)
         if self.capacity_tokens is not None:
             _positive_int("capacity_tokens", self.capacity_tokens)
+        if self.sized:
+            self._check_sizes()
+
+    @property
+    def sized(self) -> bool:
+        """Both the window and the frame size are known."""
+        return self.window_frames is not None and self.tokens_per_frame is not None
+
+    def _check_sizes(self) -> None:
+        w, t = self.window_frames, self.tokens_per_frame
+        require(self.h2o_protect_frames < w, "h2o_protect_frames", self.h2o_protect_frames,
+                f"an integer in [0, window_frames={w})")
+        if self.hot_tokens is not None:
+            require(t <= self.hot_tokens < w * t, "hot_tokens", self.hot_tokens,
+                    f"none (one frame) or an integer in [tokens_per_frame={t}, "
+                    f"window_frames x tokens_per_frame={w * t})")
+        if self.policy == "tiered":
+            require(w >= 2, "window_frames", w, "at least 2 with policy 'tiered' (the cold tier holds the older frames)")
+        if self.capacity_tokens is not None:
             require(self.capacity_tokens >= self.min_capacity(), "capacity_tokens", self.capacity_tokens,
-                    f">= {self.min_capacity()} for policy {self.policy!r}")
+                    f">= {self.min_capacity()} for policy {self.policy!r} (window_frames={w}, tokens_per_frame={t})")
+
+    def _sizes(self) -> tuple[int, int]:
+        require(self.sized, "window_frames, tokens_per_frame", (self.window_frames, self.tokens_per_frame),
+                "both set to compute sizes (None = the model's: give them, or let MultiRatePolicy fill them in)")
+        return self.window_frames, self.tokens_per_frame
 
     def quota(self, age: int) -> int:
-        return quota_for_age(age, self.tokens_per_frame, self.quota_decay, self.quota_min_tokens)
+        return quota_for_age(age, self._sizes()[1], self.quota_decay, self.quota_min_tokens)
 
     @property
     def hot_capacity(self) -> int:
-        return self.tokens_per_frame if self.hot_tokens is None else self.hot_tokens
+        return self._sizes()[1] if self.hot_tokens is None else self.hot_tokens
 
     def full_window_tokens(self) -> int:
         """Main-partition slots that hold a full window under this policy."""
-        w, t = self.window_frames, self.tokens_per_frame
+        w, t = self._sizes()
         if self.policy == "quota":
             return sum(self.quota(a) for a in range(w))
         if self.policy == "tiered":
@@ -109,10 +132,11 @@ class VisionMemoryConfig:
 
     def min_capacity(self) -> int:
         """The fewest main-partition slots the policy can work with."""
+        t = self._sizes()[1]
         if self.policy == "merge":
-            return self.tokens_per_frame
+            return t
         if self.policy == "h2o":
-            return self.tokens_per_frame * (1 + self.h2o_protect_frames)
+            return t * (1 + self.h2o_protect_frames)
         return self.full_window_tokens()
 
     @property

@@ -9,6 +9,8 @@ the compute dtype, a log(count) bias and a similarity buffer for merging, all al
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, NamedTuple
 
@@ -296,10 +298,14 @@ def _resolve_config(
     hot: KVPartition | None,
 ) -> VisionMemoryConfig:
     if isinstance(policy, VisionMemoryConfig):
+        sizes = {}
         for key, given in (("tokens_per_frame", tokens_per_frame), ("window_frames", window_frames)):
-            require(given is None or given == getattr(policy, key), key, given,
-                    f"{getattr(policy, key)} as in the config (or leave it out)")
-        return policy
+            configured = getattr(policy, key)
+            require(given is None or configured is None or given == configured, key, given,
+                    f"{configured} as in the config (or leave it out)")
+            require(given is not None or configured is not None, key, None, "given here or in the config")
+            sizes[key] = configured if configured is not None else given
+        return dataclasses.replace(policy, **sizes)  # checks the knobs the sizes bound
     require(isinstance(policy, str), "policy", policy, "a policy name or a VisionMemoryConfig")
     require(tokens_per_frame is not None and window_frames is not None, "tokens_per_frame/window_frames",
             (tokens_per_frame, window_frames), "both given with a policy name")
