@@ -104,7 +104,8 @@ class VisionMemoryConfig:
                     f"none (one frame) or an integer in [tokens_per_frame={t}, "
                     f"window_frames x tokens_per_frame={w * t})")
         if self.policy == "tiered":
-            require(w >= 2, "window_frames", w, "at least 2 with policy 'tiered' (the cold tier holds the older frames)")
+            require(w >= 2, "window_frames", w,
+                    "at least 2 with policy 'tiered' (the cold tier holds the older frames)")
         if self.capacity_tokens is not None:
             require(self.capacity_tokens >= self.min_capacity(), "capacity_tokens", self.capacity_tokens,
                     f">= {self.min_capacity()} for policy {self.policy!r} (window_frames={w}, tokens_per_frame={t})")
