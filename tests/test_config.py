@@ -46,6 +46,13 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[model]\npreset = 'tiny'\ninstruction = 'keep the lane and follow traffic'\n",
      "model.instruction = 'keep the lane and follow traffic': expected at most 23 UTF-8 bytes"),
     ("[model\npreset = 'small'\n", "invalid TOML"),
+    ("[scheduler]\nsmaller_preset = 'tinyy'\n", "scheduler.smaller_preset = 'tinyy': expected one of"),
+    ("[health]\nperiod_s = inf\n", "health.period_s = inf: expected a finite number > 0"),
+    # checked against the model's window (tiny: 1 frame of 4 tokens) when the file loads, not at node start
+    ("[model]\npreset = 'tiny'\n[cache.vision]\ncapacity_tokens = 1\n",
+     "cache.vision.capacity_tokens = 1: expected >= 4 for policy 'fifo'"),
+    ("[model]\npreset = 'tiny'\n[cache.vision]\npolicy = 'tiered'\n",
+     "cache.vision.window_frames = 1: expected at least 2 with policy 'tiered'"),
 ])
 def test_bad_values_fail_at_load_with_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError) as info:
@@ -62,3 +69,15 @@ def test_missing_launch_file():
 def test_non_loopback_needs_an_explicit_setting(tmp_path):
     config = load_launch(write(tmp_path, "[transport]\nallow_non_loopback = true\nactions = 'tcp://0.0.0.0:5562'\n"))
     assert config.transport.actions == "tcp://0.0.0.0:5562"
+
+
+def test_a_window_above_the_presets_rebuilds_the_position_table(tmp_path):
+    """model.vision_frames moves the state and query slots further out: RoPE must cover their positions."""
+    from vla_node.pipeline import Pipeline
+
+    config = load_launch(write(tmp_path, "[model]\npreset = 'tiny'\ninstruction = 'go'\nvision_frames = 3\n"
+                                         "dtype = 'fp32'\nweights = 'fp32'\n"))
+    pipeline = Pipeline(config)
+    model = pipeline.policy.model
+    assert model.config.vision_frames == 3 and model.decoder.rope.cos.shape[0] == model.config.max_positions
+    pipeline.warm_up(rounds=1)  # every stage on the new layout (it indexed past the old table before)

@@ -59,6 +59,9 @@ def test_damaged_checkpoint_names_the_tensor(tmp_path, damage, message):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="missing vla.json"):
         load_checkpoint(tmp_path)
+    (tmp_path / "vla.json").write_text('{"format_version": 1}')
+    with pytest.raises(CheckpointError, match="vla.json: no 'model' table"):
+        load_checkpoint(tmp_path)
 
 
 def test_same_seed_same_weights_in_two_processes():
@@ -101,3 +104,9 @@ def test_preset_errors_are_clear():
         ModelConfig(num_kv_heads=3)
     with pytest.raises(ConfigError, match="model.action_low"):
         ModelConfig(action_dims=3)
+    # values that load but would make every logit NaN (and the action bin 0, published as if valid)
+    for key, value in (("rms_eps", -1.0), ("vision_eps", 0.0), ("rope_theta", 0.0), ("rms_eps", float("nan"))):
+        with pytest.raises(ConfigError, match=rf"model.{key} = .*: expected a finite number > 0"):
+            ModelConfig(**{key: value})
+    with pytest.raises(ConfigError, match=r"model.action_low\[0\] = -inf: expected a finite number"):
+        ModelConfig(action_low=(float("-inf"), -1.0))

@@ -7,6 +7,7 @@ allowed, an unknown key with a did-you-mean.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -133,7 +134,8 @@ class HealthConfig:
     def __post_init__(self) -> None:
         for key in ("period_s", "camera_timeout_ms", "min_camera_hz"):
             value = getattr(self, key)
-            require(isinstance(value, (int, float)) and value > 0, f"health.{key}", value, "a number > 0")
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0, f"health.{key}", value, "a finite number > 0")
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,13 @@ class NodeConfig:
         if self.scheduler.fallback_action is not None:
             require(len(self.scheduler.fallback_action) == model.action_dims, "scheduler.fallback_action",
                     self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
+        if self.scheduler.smaller_preset is not None:
+            choose("scheduler.smaller_preset", self.scheduler.smaller_preset, PRESETS)
+        try:  # the vision memory's knobs bounded by the model's window and frame size, as the policy will see them
+            self.cache.vision.for_model(model.vision_frames, model.tokens_per_frame)
+        except ConfigError as e:
+            raise ConfigError(f"cache.vision.{e} (model: {model.vision_frames} frame(s) of {model.tokens_per_frame} "
+                              "tokens)") from None
         text_bytes = model.max_text_tokens - 1  # BOS + UTF-8 bytes (the smaller engine takes the same capacity)
         require(isinstance(self.model.instruction, str) and len(self.model.instruction.encode()) <= text_bytes,
                 "model.instruction", self.model.instruction,

@@ -18,7 +18,6 @@ in fp32 and no eviction, this equals the reference policy (tests/test_multirate.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -126,10 +125,7 @@ class MultiRatePolicy:
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
-        v = cache.vision
-        vcfg = dataclasses.replace(v, window_frames=c.vision_frames, tokens_per_frame=c.tokens_per_frame,
-                                   quota_min_tokens=min(v.quota_min_tokens, c.tokens_per_frame),
-                                   h2o_protect_frames=min(v.h2o_protect_frames, c.vision_frames - 1))
+        vcfg = cache.vision.for_model(c.vision_frames, c.tokens_per_frame)
         dev = self.device
         self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd), dev)
         self.vision = VisionMemory.build(vcfg, L, KV, hd, device=dev, compute_dtype=dtype)

@@ -18,6 +18,7 @@ import torch
 
 from vla_node.config import NodeConfig
 from vla_node.model import build_vla, load_checkpoint, preset
+from vla_node.model.decoder import RotaryTable
 from vla_node.model.fp16_weights import use_fp16_weights
 from vla_node.model.packed_weights import use_packed_weights
 from vla_node.multirate import MultiRatePolicy, StageAborted
@@ -92,7 +93,9 @@ def _build_model(config: NodeConfig, preset_name: str | None, text_tokens: int |
         model = build_vla(preset(section.preset), seed=section.seed)
     if section.vision_frames is not None:
         model.config = model.config.replace(vision_frames=section.vision_frames)
-        model.decoder.config = model.config
+        model.decoder.config = c = model.config
+        # the layout's positions change with the window: the RoPE table (not a weight) is built for them anew
+        model.decoder.rope = RotaryTable(c.head_dim, c.max_positions, c.rope_theta).to(model.decoder.rope.cos.device)
     return model
 
 

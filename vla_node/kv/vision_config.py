@@ -90,6 +90,13 @@ class VisionMemoryConfig:
         if self.sized:
             self._check_sizes()
 
+    def for_model(self, window_frames: int, tokens_per_frame: int) -> "VisionMemoryConfig":
+        """This config with the model's window and frame size (checked against the knobs they bound); the knobs
+        that only cap at them (quota_min_tokens, h2o_protect_frames) are clamped to them."""
+        return dataclasses.replace(self, window_frames=window_frames, tokens_per_frame=tokens_per_frame,
+                                   quota_min_tokens=min(self.quota_min_tokens, tokens_per_frame),
+                                   h2o_protect_frames=min(self.h2o_protect_frames, window_frames - 1))
+
     @property
     def sized(self) -> bool:
         """Both the window and the frame size are known."""

@@ -67,6 +67,8 @@ def read_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(
             f"{meta_path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
         )
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{meta_path}: no 'model' table (the model's shapes), got {meta.get('model')!r}")
     return from_dict(ModelConfig, meta["model"], "model")
 
 

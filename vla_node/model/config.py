@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,7 +77,13 @@ class ModelConfig:
                 f"{self.action_dims} values (one per action dim)")
         require(len(self.action_high) == self.action_dims, "model.action_high", self.action_high,
                 f"{self.action_dims} values (one per action dim)")
+        for key in ("rms_eps", "vision_eps", "rope_theta"):
+            value = getattr(self, key)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0, f"model.{key}", value, "a finite number > 0")
         for i, (lo, hi) in enumerate(zip(self.action_low, self.action_high)):
+            require(math.isfinite(lo), f"model.action_low[{i}]", lo, "a finite number")
+            require(math.isfinite(hi), f"model.action_high[{i}]", hi, "a finite number")
             require(lo < hi, f"model.action_high[{i}]", hi, f"> action_low[{i}] = {lo}")
         require(self.action_decode in ("parallel", "autoregressive"), "model.action_decode",
                 self.action_decode, "'parallel' or 'autoregressive'")
