@@ -44,7 +44,7 @@ from vla_node.node_process import ADDRESS_KEYS, NodeProcess, NodeProcessError, p
 from vla_node.progress import Progress
 from vla_node.replay_threads import Prefetch, Receiver
 from vla_node.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
-from vla_node.signals import SignalFlag
+from vla_node.signals import ExitOn, SignalFlag
 from vla_node.transport import Client, TransportConfig
 from vla_node.validate import ConfigError, require
 
@@ -145,7 +145,8 @@ def _stream(client: Client, drive: DriveReader, commands: list[DriveMessage], ca
                    enabled=progress)
     interrupted = False
     start_ns = time.monotonic_ns()
-    with SignalFlag(signal.SIGINT) as ctrl_c:  # Ctrl-C stops between frames: none is sent unrecorded
+    # Ctrl-C (or SIGTERM, SIGHUP) stops between frames: none is sent unrecorded
+    with SignalFlag(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as ctrl_c:
         try:
             for loop, item in prefetch:
                 if ctrl_c.received is not None:
@@ -283,27 +284,30 @@ def replay(
     node: NodeProcess | None = None
     receiver: Receiver | None = None
     failed = True
-    try:
-        if not connect:
-            node = NodeProcess(launch_path, transport, out / "node.log")
-        _handshake(client, node, warmup_timeout_s, launch_path)
-        receiver = Receiver(client)
-        receiver.start()
-        result = _stream(client, reader, commands, cameras, primary, rate=float(rate),
-                         closed_loop=as_fast_as_possible, loops=loop, answer_timeout_s=answer_timeout_s,
-                         receiver=receiver, node=node, progress=progress)
-        if not result.interrupted:
-            _drain(receiver, result.frames[-1] if result.frames else None, answer_timeout_s,
-                   config.health.period_s)
-        receiver.stop()
-        receiver.check()
-        failed = False
-    finally:
-        if receiver is not None and receiver.is_alive():
+    # SIGTERM or SIGHUP (timeout, CI, a closed terminal) must not leave the node running: they exit through the
+    # finally below (during the stream they stop it as Ctrl-C does, and the frames sent so far are reported)
+    with ExitOn(signal.SIGTERM, signal.SIGHUP):
+        try:
+            if not connect:
+                node = NodeProcess(launch_path, transport, out / "node.log")
+            _handshake(client, node, warmup_timeout_s, launch_path)
+            receiver = Receiver(client)
+            receiver.start()
+            result = _stream(client, reader, commands, cameras, primary, rate=float(rate),
+                             closed_loop=as_fast_as_possible, loops=loop, answer_timeout_s=answer_timeout_s,
+                             receiver=receiver, node=node, progress=progress)
+            if not result.interrupted:
+                _drain(receiver, result.frames[-1] if result.frames else None, answer_timeout_s,
+                       config.health.period_s)
             receiver.stop()
-        client.close()
-        if node is not None:
-            _stop_node(node, failed)
+            receiver.check()
+            failed = False
+        finally:
+            if receiver is not None and receiver.is_alive():
+                receiver.stop()
+            client.close()
+            if node is not None:
+                _stop_node(node, failed)
 
     first_ns = result.frames[0].stamp_ns if result.frames else time.monotonic_ns()
     actions = [a for a in receiver.actions if a.stamp_ns >= first_ns]

@@ -45,3 +45,28 @@ class SignalFlag:
                 return False
             time.sleep(min(left, 0.01))
         return True
+
+
+class ExitOn:
+    """Within `with`, the given signals raise SystemExit(128 + signum) in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so that `finally` blocks run (a replay stops the node it started). For a process that
+    would otherwise die on SIGTERM or SIGHUP without cleaning up. Elsewhere than the main thread: no change."""
+
+    def __init__(self, *signums: int) -> None:
+        self.signums = signums
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> ExitOn:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                self._previous[signum] = signal.signal(signum, self._exit)
+        return self
+
+    @staticmethod
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
