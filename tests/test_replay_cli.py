@@ -50,6 +50,12 @@ def test_replay_user_errors_exit_2_with_one_line(tmp_path, capsys):
     error_line(capsys, "replay", "rate")
     assert main(["replay", str(tmp_path / "missing.mcap"), "--launch", str(TINY_LAUNCH), "--out", out]) == 2
     error_line(capsys, "replay", "no such file")
+    bad = tmp_path / "bad_command.mcap"
+    with DriveWriter(bad) as writer:
+        writer.add_frame("front", 0, 0, "rgb8", 8, 8, bytes(192))
+        writer.add_message("instruction", 10_000_000, {"v": 1, "seq": 0, "stamp_ns": 10_000_000, "instr": "left"})
+    assert main(["replay", str(bad), "--launch", str(TINY_LAUNCH), "--out", out]) == 2  # before any node starts
+    error_line(capsys, "replay", str(bad), "recorded instruction at 10000000 ns", "text = None")
 
 
 @pytest.mark.node
@@ -72,6 +78,15 @@ def test_record_and_demo_user_errors_exit_2(tmp_path, capsys):
     error_line(capsys, "record", "exists")
     assert main(["demo", "--seconds", "0", "--out", str(tmp_path / "demo")]) == 2
     error_line(capsys, "demo", "seconds")
+    assert main(["record", "--launch", str(TINY_LAUNCH), "--out", str(tmp_path / "inf.mcap"), "--duration", "inf"]) == 2
+    error_line(capsys, "record", "duration_s = inf")
+    assert not (tmp_path / "inf.mcap").exists()
+    # argument checks below the CLI raise ConfigError, one of the user errors (report compare: exit 1 = regressed)
+    from vla_node.report import compare_reports
+    from vla_node.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="max_regression_pct = -5"):
+        compare_reports({}, {}, -5)
 
 
 @pytest.mark.unit

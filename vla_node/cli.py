@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from vla_node.validate import ConfigError
+
 log = logging.getLogger("vla_node")
 
 
@@ -41,7 +43,7 @@ def cmd_bench(args) -> int:
         from vla_node import bench_reuse
 
         if not args.drives:
-            raise ValueError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
+            raise ConfigError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
         bench_reuse.run(args.drives, preset=args.preset, threads=args.threads, json_path=args.json, weights=args.weights)
     return 0
 
@@ -95,7 +97,7 @@ def parse_size(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x480") from None
+        raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x480") from None
     return w, h
 
 
@@ -181,7 +183,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from vla_node.model.tokenizer import TokenizerError
     from vla_node.node_process import NodeProcessError
     from vla_node.report import ReportError
-    from vla_node.validate import ConfigError
 
     return (ConfigError, CheckpointError, DriveError, ReportError, TokenizerError, NodeProcessError, FileNotFoundError,
             FileExistsError, PermissionError, IsADirectoryError)

@@ -26,6 +26,7 @@ from vla_node.drive_common import (
     iter_mcap,
 )
 from vla_node.video import jpeg_size
+from vla_node.validate import ConfigError
 
 NATIVE_PROFILE = "vla-node"
 FRAME_PREFIX = "frame/"
@@ -48,9 +49,9 @@ def _library() -> str:
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r}: expected an integer")
+        raise ConfigError(f"{name} = {value!r}: expected an integer")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} = {value!r}: expected an integer in {low}..{high if high is not None else 'inf'}")
+        raise ConfigError(f"{name} = {value!r}: expected an integer in {low}..{high if high is not None else 'inf'}")
     return int(value)
 
 
@@ -75,7 +76,7 @@ class DriveWriter:
         chunk_size: int = 4 << 20,
     ) -> None:
         if compression not in COMPRESSIONS:
-            raise ValueError(f"compression = {compression!r}: expected one of {sorted(COMPRESSIONS)}")
+            raise ConfigError(f"compression = {compression!r}: expected one of {sorted(COMPRESSIONS)}")
         _check_int("chunk_size", chunk_size, 1024, 1 << 30)
         self.path = Path(path)
         self._file = open(self.path, "wb")
@@ -107,9 +108,9 @@ class DriveWriter:
         """Append one frame; payload is height*width*3 bytes for rgb8/bgr8, a JPEG for jpeg."""
         self._check_open()
         if not isinstance(camera, str) or not camera or "/" in camera:
-            raise ValueError(f"camera = {camera!r}: expected a non-empty name without '/'")
+            raise ConfigError(f"camera = {camera!r}: expected a non-empty name without '/'")
         if encoding not in WIRE_ENCODINGS:
-            raise ValueError(f"encoding = {encoding!r}: expected one of {list(WIRE_ENCODINGS)}")
+            raise ConfigError(f"encoding = {encoding!r}: expected one of {list(WIRE_ENCODINGS)}")
         seq = _check_int("seq", seq, 0)
         stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
         height = _check_int("height", height, 1, MAX_SIDE)

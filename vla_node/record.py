@@ -17,6 +17,7 @@ actions and health stay in the file for comparison.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import queue
 import signal
@@ -175,8 +176,9 @@ def record(
     """Record frames, commands, actions and health at the launch file's addresses (default launch/cpu.toml;
     `addresses` overrides any of frames/commands/actions/health) into the native drive `out` until duration_s,
     Ctrl-C/SIGTERM or stop_event. Refuses to overwrite an existing file (FileExistsError)."""
-    require(duration_s is None or (isinstance(duration_s, (int, float)) and duration_s > 0), "duration_s",
-            duration_s, "a number of seconds > 0, or unset to record until Ctrl-C")
+    require(duration_s is None or (isinstance(duration_s, (int, float)) and not isinstance(duration_s, bool)
+                                   and math.isfinite(duration_s) and duration_s > 0), "duration_s",
+            duration_s, "a finite number of seconds > 0, or unset to record until Ctrl-C")
     require(isinstance(queue_size, int) and queue_size >= 1, "queue_size", queue_size, "an integer >= 1")
     from vla_node.config import default_launch, load_launch  # imports the model (torch): on use, not at import
 

@@ -266,6 +266,7 @@ def replay(
     config = load_launch(launch_path)
     cameras = camera_map(reader, config)
     commands = list(reader.commands())
+    _check_commands(reader.path, commands, config.limits)
     transport = _addresses(config, addresses, connect)
     primary = config.cameras[0].name
     deadline_ms = config.scheduler.vision_deadline_ms
@@ -332,6 +333,23 @@ def replay(
     if result.interrupted:
         raise KeyboardInterrupt
     return report, json_path, html_path
+
+
+def _check_commands(path, commands: list[DriveMessage], limits) -> None:
+    """Every recorded instruction and state as the node will decode it, before anything starts: a bad one is a
+    DriveError naming the file, the topic and the stamp, not a crash halfway through the stream."""
+    from vla_node.codec import CodecError
+    from vla_node.protocol import ProtocolError, decode_command, encode_instruction, encode_state
+
+    for item in commands:
+        try:
+            if item.topic == "instruction":
+                parts = encode_instruction(0, item.stamp_ns, item.header.get("text"))
+            else:
+                parts = encode_state(0, item.stamp_ns, item.header.get("values"))
+            decode_command(parts, limits)
+        except (ConfigError, ProtocolError, CodecError, TypeError, ValueError) as e:
+            raise DriveError(f"{path}: recorded {item.topic} at {item.stamp_ns} ns: {e}") from None
 
 
 # ---- command line (wired by cli.py) --------------------------------------------------------------------

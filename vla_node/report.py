@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vla_node.report_html import PlotSeries, render_html
-from vla_node.validate import did_you_mean
+from vla_node.validate import ConfigError, did_you_mean
 
 STATUSES = ("fresh", "chunk", "fallback")
 KV_PARTITIONS = ("text", "vision", "action")
@@ -47,7 +47,7 @@ class ReportError(ValueError):
 
 def _check(ok: bool, where: str, value: Any, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{where} = {value!r}: expected {expected}")
+        raise ConfigError(f"{where} = {value!r}: expected {expected}")
 
 
 def _is_int(value: Any) -> bool:

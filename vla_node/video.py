@@ -19,6 +19,8 @@ from typing import Iterator
 import av
 import numpy as np
 
+from vla_node.validate import ConfigError
+
 NS_PER_S = 1_000_000_000
 RESIZE_INTERPOLATION = "AREA"  # one fixed filter so every path that resizes gives identical pixels
 
@@ -58,7 +60,7 @@ def _check_size(size: tuple[int, int] | None) -> tuple[int, int] | None:
         and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 16384 for v in size)
     )
     if not ok:
-        raise ValueError(f"size = {size!r}: expected (width, height), two integers in 1..16384")
+        raise ConfigError(f"size = {size!r}: expected (width, height), two integers in 1..16384")
     return int(size[0]), int(size[1])
 
 
@@ -66,7 +68,7 @@ def _check_fps(fps: float | None) -> float | None:
     if fps is None:
         return None
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (0 < fps <= 1000) or not math.isfinite(fps):
-        raise ValueError(f"fps = {fps!r}: expected a number in (0, 1000] or None for the source rate")
+        raise ConfigError(f"fps = {fps!r}: expected a number in (0, 1000] or None for the source rate")
     return float(fps)
 
 
