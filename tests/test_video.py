@@ -106,6 +106,30 @@ def test_resampling_picks_the_frame_at_or_before_each_tick(synthetic_mp4):
 
 
 @pytest.mark.unit
+def test_a_variable_rate_clip_resamples_to_its_count_and_spans_its_stamps(tmp_path):
+    """Frames at 0, 0.1, 0.2, 0.3 and 1.0 s: the last one lasts to the stream's end, so resampling gives the
+    count resampled_count promises (the convert progress total), and the drive spans first to last stamp."""
+    from vla_node.drive import open_drive
+
+    path = tmp_path / "vfr.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.codec_context.time_base, stream.codec_context.max_b_frames = Fraction(1, 10), 0
+        for pts in (0, 1, 2, 3, 10):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), pts * 20, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = pts, Fraction(1, 10)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    info = probe_video(path)
+    stamps = [stamp for stamp, _ in decode_video(path)]
+    assert stamps[-1] == 1_000_000_000 and info.span_s == pytest.approx(1.0)
+    assert sum(1 for _ in decode_video(path, fps=10.0)) == resampled_count(info.duration_s, 10.0)
+    assert open_drive(path).duration_ns == stamps[-1] - stamps[0]
+
+
 def test_resize_and_max_frames(synthetic_mp4):
     path, _ = synthetic_mp4
     out = list(decode_video(path, size=(80, 48), max_frames=5))

@@ -51,8 +51,8 @@ class VideoDriveReader(DriveReader):
 
     def __init__(self, path: Path) -> None:
         self.video = probe_video(path)
-        period_ns = round(1e9 / self.video.fps)
-        super().__init__(path, (VIDEO_CAMERA,), self.video.frames, (self.video.frames - 1) * period_ns)
+        # first to last frame's stamp (a variable-rate clip's too)
+        super().__init__(path, (VIDEO_CAMERA,), self.video.frames, round(self.video.span_s * 1e9))
 
     def frames(self) -> Iterator[DriveFrame]:
         for seq, (stamp_ns, rgb) in enumerate(decode_video(self.path)):

@@ -41,7 +41,8 @@ def _drive_error(path: os.PathLike | str, problem: str) -> DriveError:
 
 @dataclasses.dataclass(frozen=True)
 class VideoInfo:
-    """What a video file holds; `frames` counts decodable frames (edit lists honoured)."""
+    """What a video file holds; `frames` counts decodable frames (edit lists honoured); `span_s` runs from the first
+    frame's stamp to the last's (duration_s less the last frame's display time)."""
 
     width: int
     height: int
@@ -49,6 +50,7 @@ class VideoInfo:
     frames: int
     duration_s: float
     codec: str
+    span_s: float = 0.0
 
 
 def _check_size(size: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -107,10 +109,13 @@ def probe_video(path: os.PathLike | str) -> VideoInfo:
         ctx = stream.codec_context
         period = _frame_period(stream)
         frames = 0
+        first_pts = last_pts = None
         try:
             for packet in container.demux(stream):
                 if packet.size > 0 and packet.pts is not None and not packet.is_discard:
                     frames += 1
+                    first_pts = packet.pts if first_pts is None else min(first_pts, packet.pts)
+                    last_pts = packet.pts if last_pts is None else max(last_pts, packet.pts)
         except av.error.FFmpegError as e:
             raise _drive_error(path, f"corrupt video stream ({type(e).__name__}: {e})") from e
         if frames == 0:
@@ -126,6 +131,7 @@ def probe_video(path: os.PathLike | str) -> VideoInfo:
             frames=frames,
             duration_s=duration,
             codec=str(ctx.name),
+            span_s=float((last_pts - first_pts) * (stream.time_base or 0) or (frames - 1) * period),
         )
     finally:
         container.close()
@@ -209,8 +215,9 @@ def _decode_frames(
 def _resampled(
     container, stream, path, fps: float, size: tuple[int, int] | None, max_frames: int | None
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """Ticks k/fps; the frame shown at a tick is the latest with stamp <= tick; the last frame lasts one
-    nominal frame period."""
+    """Ticks k/fps; the frame shown at a tick is the latest with stamp <= tick; the last frame lasts until the
+    stream's end (its duration), or one nominal frame period where the stream has no duration: so a clip of
+    duration D gives ceil(D * fps) frames, as resampled_count says."""
     tick_period = Fraction(fps).limit_denominator(1_000_000)
     emitted = 0
     held: av.VideoFrame | None = None
@@ -238,6 +245,8 @@ def _resampled(
     if held is None:
         raise _drive_error(path, "video stream holds no frames")
     end_ns = held_stamp + round(_frame_period(stream) * NS_PER_S)
+    if stream.duration is not None and stream.time_base is not None:  # the stream's end, as probe_video's duration
+        end_ns = round(stream.duration * stream.time_base * NS_PER_S)  # (a variable-rate clip's last frame is longer)
     while tick_ns(emitted) < end_ns:
         yield tick_ns(emitted), emit_held()
         emitted += 1
