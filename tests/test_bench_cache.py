@@ -44,6 +44,8 @@ def test_per_round_ratio_sums_each_rounds_cases():
 def test_fp32_compute_times_fp16_weights_against_plain_fp32_ones(tmp_path):
     result = _run(tmp_path, "fp32")
     assert (result["weights"], result["hf_weights"], result["plain_weights"]["weights"]) == ("fp16", "fp16", "fp32")
+    assert result["linear_layers"] == {"policy": "Fp16WeightLinear", "reference": "Fp16WeightLinear",
+                                       "plain weights": "Linear"}  # what really ran, not the labels
 
 
 @pytest.mark.skipif(not packed_weights_available(), reason="packed bf16 weights need oneDNN and AVX512-BF16 or AMX")
@@ -51,6 +53,7 @@ def test_bf16_compute_times_packed_weights_against_plain_bf16_ones_and_transform
     result = _run(tmp_path, "bf16")
     assert (result["weights"], result["hf_weights"], result["plain_weights"]["weights"]) == ("packed", "bf16", "bf16")
     assert result["reference_dtype"] == result["hf_dtype"] == "bf16"
+    assert result["linear_layers"] == {"policy": "PackedLinear", "reference": "PackedLinear", "plain weights": "Linear"}
 
 
 def test_weights_that_do_not_fit_the_compute_dtype_are_named():

@@ -84,5 +84,10 @@ def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_hardware(monkeypatch):
 def test_cpu_has_bf16_reads_the_cpu_flags():
     from vla_node.model.fp16_weights import cpu_has_bf16
 
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    assert cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    head = "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+    assert cpu_has_bf16(head + "flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert cpu_has_bf16(head + "flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    assert not cpu_has_bf16(head + "flags\t\t: fpu avx2 avx512f avx512_vnni\n")  # AVX-512 without bf16
+    assert not cpu_has_bf16(head + "flags\t\t: fpu avx512_bf16x\n")  # whole flags only
+    assert not cpu_has_bf16(head)  # no flags line (not x86, or not Linux)
+    assert cpu_has_bf16() == cpu_has_bf16(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")

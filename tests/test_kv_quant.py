@@ -108,7 +108,7 @@ def test_dequantize_into_buffers_of_any_float_dtype():
         out = torch.empty(2, 10, 16, dtype=dtype)
         got = quant.dequantize(q.data, q.scale, q.zero, out=out)
         assert got is out
-        assert torch.allclose(out.float(), ref, atol=float(ref.abs().max()) * 1e-2)
+        assert torch.equal(out, ref.to(dtype))  # the same fp32 arithmetic, then one cast
 
 
 def test_keys_need_whole_groups():

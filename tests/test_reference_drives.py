@@ -2,19 +2,35 @@
 
 import numpy as np
 import pytest
+import torch
 
 from vla_node.model import build_vla, preset
+from vla_node.multirate import CacheConfig, MultiRatePolicy
 from vla_node.reference import ReferencePolicy
 from vla_node.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.video import decode_video
 
 
 def run_reference(frames):
-    policy = ReferencePolicy(build_vla(preset("tiny"), seed=0))
-    chunks = [policy.step([rgb], "keep the lane", np.zeros(4, np.float32)) for rgb in frames]
-    for chunk in chunks:
+    """The reference on the frames, checked against the multi-rate policy with the exact (all-fp32) cache over the
+    same frames (1e-4 on logits, the same bins); every frame's logits depend on the frame, and on the instruction."""
+    model = build_vla(preset("tiny"), seed=0)
+    policy = ReferencePolicy(model)
+    state = np.zeros(4, np.float32)
+    chunks = [policy.step([rgb], "keep the lane", state) for rgb in frames]
+    incremental = MultiRatePolicy(model, CacheConfig.exact())
+    incremental.update_text("keep the lane")
+    for chunk, rgb in zip(chunks, frames):
         assert chunk.actions.shape == (4, 2) and np.isfinite(chunk.actions).all()
         assert chunk.bins.min() >= 0 and chunk.bins.max() < 256
+        incremental.update_vision(incremental.prepare_frames([rgb]))
+        ours = incremental.action_tick(state)
+        assert (ours.logits - chunk.logits).abs().max().item() <= 1e-4
+        np.testing.assert_array_equal(ours.bins, chunk.bins)
+    for a, b in zip(chunks, chunks[1:]):
+        assert not torch.equal(a.logits, b.logits)  # the frames differ, and so do the logits
+    other = policy.step([frames[0]], "stop now", state)
+    assert not torch.equal(other.logits, chunks[0].logits)
     return chunks
 
 

@@ -289,6 +289,11 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
               + (f", {hf_weights} weights" if name == "hf_generate" else ""), flush=True)
     ms = {name: round(t["median"], 2) for name, t in timing.items()}
     kv = main.kv_bytes()
+    # the class of the linear layers each timed model really ran (the weights labels above are the requested ones)
+    timed = {"policy": main.model, "reference": reference.model}
+    if "plain weights" in policies:
+        timed["plain weights"] = policies["plain weights"].model
+    linear_layers = {name: type(m.decoder.model.layers[0].self_attn.q_proj).__name__ for name, m in timed.items()}
     fp16 = vision_fp16_bytes(main)
     out = {
         "action_tick_ms": ms["action_tick"],
@@ -301,6 +306,7 @@ def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> 
         "hf_dtype": compute_name,
         "hf_weights": hf_weights,
         "timing_spread_ms": {name: [round(t["min"], 2), round(t["max"], 2)] for name, t in timing.items()},
+        "linear_layers": linear_layers,
         "kv_bytes": kv,
         "kv_bytes_total": sum(kv.values()),
         "vision_kv_bytes_fp16_equivalent": fp16,

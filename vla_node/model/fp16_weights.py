@@ -18,14 +18,17 @@ def fp16_weights_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; Linux's /proc/cpuinfo flags). Without it
-    torch emulates bf16 matmuls, several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), from the first `flags` line of Linux's
+    /proc/cpuinfo (or the given text). Without it torch emulates bf16 matmuls, several times slower than fp32."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "flags :")
+    flags = line.split(":", 1)[1].split() if ":" in line else []
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
