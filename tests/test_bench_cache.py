@@ -25,6 +25,8 @@ def _run(tmp_path, compute_dtype):
         assert key in result, key
     assert set(result["kv_bytes"]) == {"text", "vision", "action"}
     assert all(result[key] > 0 for key in KEYS if key.endswith("_ms"))
+    for row in result["vision_policies"]:  # vision + tick: the same work in every row
+        assert row["step_ms"] > 0 and row["step_ms"] >= min(row["vision_update_ms"], row["action_tick_ms"])
     for key, target in result["targets"].items():
         assert target["met"] == (result[key] >= target["target"])
         rounds = target["per_round"]
@@ -59,3 +61,13 @@ def test_bf16_compute_times_packed_weights_against_plain_bf16_ones_and_transform
 def test_weights_that_do_not_fit_the_compute_dtype_are_named():
     with pytest.raises(ConfigError, match="weights = 'packed': expected 'fp32', 'fp16' with fp32 compute"):
         bench_cache.run("tiny", iters=1, compute_dtype="fp32", weights="packed")
+
+
+def test_a_bench_refuses_the_flags_it_does_not_take(capsys):
+    from vla_node.cli import main
+
+    assert main(["bench", "node", "--iters", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "vla-node bench: error: bench node: --iters does not apply (it takes --seconds)"
+    assert main(["bench", "model", "--weights", "fp16"]) == 2
+    assert "--weights does not apply (it takes --iters, --threads)" in capsys.readouterr().err

@@ -25,26 +25,39 @@ def cmd_init(args) -> int:
     return 0
 
 
+# the flags each bench takes (the others are refused, not silently ignored)
+BENCH_FLAGS = {"model": ("iters", "threads"), "cache": ("iters", "threads", "compute_dtype", "weights"),
+               "node": ("seconds",), "reuse": ("threads", "weights")}
+
+
 def cmd_bench(args) -> int:
+    for flag in ("iters", "threads", "seconds", "compute_dtype", "weights"):
+        if getattr(args, flag) is not None and flag not in BENCH_FLAGS[args.what]:
+            takes = ", ".join("--" + f.replace("_", "-") for f in BENCH_FLAGS[args.what])
+            raise ConfigError(f"bench {args.what}: --{flag.replace('_', '-')} does not apply (it takes {takes})")
+    iters = 5 if args.iters is None else args.iters
+    threads = 1 if args.threads is None else args.threads
     if args.what == "model":
         from vla_node import bench_model
 
-        bench_model.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json)
+        bench_model.run(args.preset, iters=iters, threads=threads, json_path=args.json)
     elif args.what == "cache":
         from vla_node import bench_cache
 
-        bench_cache.run(args.preset, iters=args.iters, threads=args.threads, json_path=args.json, weights=args.weights,
-                        compute_dtype=args.compute_dtype)
+        bench_cache.run(args.preset, iters=iters, threads=threads, json_path=args.json, weights=args.weights,
+                        compute_dtype=args.compute_dtype or "fp32")
     elif args.what == "node":
         from vla_node import bench_node
 
-        bench_node.run(args.preset, seconds=args.seconds, json_path=args.json)
+        bench_node.run(args.preset, seconds=60.0 if args.seconds is None else args.seconds, json_path=args.json)
     else:
         from vla_node import bench_reuse
 
         if not args.drives:
             raise ConfigError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
-        bench_reuse.run(args.drives, preset=args.preset, threads=args.threads, json_path=args.json, weights=args.weights)
+        if args.weights == "packed":
+            raise ConfigError("bench reuse: --weights packed does not apply (it takes fp16 or fp32)")
+        bench_reuse.run(args.drives, preset=args.preset, threads=threads, json_path=args.json, weights=args.weights)
     return 0
 
 
@@ -163,14 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["model", "cache", "node", "reuse"])
     p.add_argument("drives", nargs="*", help="bench reuse: mp4 files or drives")
     p.add_argument("--preset", default="small")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids OpenMP spin on small CPUs)")
-    p.add_argument("--seconds", type=float, default=60.0, help="bench node: run length")
-    p.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"], default="fp32",
+    p.add_argument("--iters", type=int, default=None, help="bench model and cache: timed rounds (default 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="bench model, cache and reuse: torch threads (default 1: no OpenMP spin on small CPUs)")
+    p.add_argument("--seconds", type=float, default=None, help="bench node: run length (default 60)")
+    p.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"], default=None,
                    help="bench cache: compute dtype (default fp32, as launch/cpu.toml; auto: bf16 where the CPU has "
                         "bf16 hardware)")
-    p.add_argument("--weights", choices=["fp16", "fp32"], default=None,
-                   help="bench cache and reuse: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml)")
+    p.add_argument("--weights", choices=["fp16", "fp32", "packed"], default=None,
+                   help="bench cache and reuse: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml; "
+                        "bench cache with bf16 compute: packed where the CPU has bf16 hardware)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_bench)
     return parser
