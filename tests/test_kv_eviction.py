@@ -63,6 +63,9 @@ def test_h2o_spares_protected_frames_and_frees_exactly_what_is_needed():
     # when the unprotected tokens do not suffice, protected ones go too (lowest first)
     evict = ev.h2o_evictions(valid, frame_id, imp, needed_free=8, protected_from=2)
     assert int(evict.sum()) == 6
+    # 2 slots are free, 5 needed: frame 1's two unprotected tokens, then one protected token, the least important
+    evict = ev.h2o_evictions(valid, frame_id, imp, needed_free=5, protected_from=2)
+    assert evict.tolist() == [True, True, False, False, True, False, False, False]
 
 
 def test_plan_merges_and_weighted_average():

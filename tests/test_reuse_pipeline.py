@@ -65,28 +65,48 @@ def test_threshold_zero_through_the_gate_equals_full_refresh(cache):
 
 
 def test_partial_path_with_the_gates_token_order_equals_full_refresh():
-    """Every token passed explicitly, most-changed first as the gate orders them (not row-major): the partial
-    recompute in the tower and the decoder still equals a full refresh."""
+    """The gate's refresh list, most-changed first (not row-major) and a strict subset: the changed patches only.
+    With drift gates at any move (and no shared sample) the partial recompute must still equal a full refresh, and
+    the tower's first layer runs the listed tokens only."""
     model = build_vla(CONFIG, seed=4)
-    partial = MultiRatePolicy(model, CacheConfig.exact())
+    exact = ReuseConfig(tower_drift_threshold=1e-12, decoder_drift_threshold=1e-12, shared_drift_samples=0)
+    partial = MultiRatePolicy(model, CacheConfig.exact(), reuse=exact)
     full = MultiRatePolicy(model, CacheConfig.exact())
     gate = GatedPolicy(partial, ReuseConfig(threshold=0.0)).gates[0]
     for policy in (partial, full):
         policy.update_text(INSTRUCTION)
-    reordered = 0
-    for i, (frame, state) in enumerate(zip(moving_band(5, seed=2), states(5, CONFIG.state_dim))):
-        images = frame[None]
-        plan = gate.plan(frame)
-        tokens = torch.from_numpy(plan.refresh.copy())
-        reordered += not torch.equal(tokens, torch.arange(CONFIG.tokens_per_camera))
-        update = partial.update_vision(images, [tokens])
-        gate.commit(plan, frame)
-        assert update.tokens_refreshed == CONFIG.tokens_per_frame and update.full == (i == 0)
-        full.update_vision(images)
-        a, b = partial.action_tick(state), full.action_tick(state)
-        assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
-        np.testing.assert_array_equal(a.bins, b.bins)
-    assert reordered >= 3  # the order really was the gate's, not row-major
+    reordered = partial_runs = 0
+    query_rows = []
+    hook = model.vision.encoder.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda m, i, o: query_rows.append(i[0].shape[-2]))
+    previous = None
+    try:
+        for i, (frame, state) in enumerate(zip(moving_band(5, seed=2), states(5, CONFIG.state_dim))):
+            images = frame[None]
+            plan = gate.plan(frame)
+            tokens = torch.from_numpy(plan.refresh.copy())
+            if previous is not None:  # the changed patches, in the gate's order
+                patch = CONFIG.patch_size
+                grid = CONFIG.image_size // patch
+                diff = np.abs(frame.astype(np.int16) - previous.astype(np.int16))
+                changed = set(np.flatnonzero(diff.reshape(grid, patch, grid, patch, 3).sum(axis=(1, 3, 4))).tolist())
+                tokens = torch.tensor([t for t in tokens.tolist() if t in changed], dtype=torch.long)
+                reordered += not torch.equal(tokens, tokens.sort().values)
+            query_rows.clear()
+            update = partial.update_vision(images, [tokens])
+            gate.commit(plan, frame)
+            assert update.full == (i == 0)
+            if i > 0 and len(tokens) < CONFIG.tokens_per_camera:
+                partial_runs += 1
+                assert query_rows == [len(tokens)], query_rows
+            full.update_vision(images)
+            a, b = partial.action_tick(state), full.action_tick(state)
+            assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
+            np.testing.assert_array_equal(a.bins, b.bins)
+            previous = frame
+    finally:
+        hook.remove()
+    assert partial_runs >= 3 and reordered >= 1  # a subset, in the gate's order, not row-major
 
 
 @pytest.mark.parametrize("cache", sorted(CACHES))

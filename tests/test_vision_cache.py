@@ -70,30 +70,74 @@ def test_tower_cache_reuses_outputs_of_an_unchanged_frame_bit_for_bit_and_stages
     assert torch.equal(cache.out[0], moved)  # ... and a commit applies exactly what was staged
 
 
-@pytest.mark.parametrize("attend_all", [True])
-def test_partial_decoder_run_with_drift_zero_equals_full_refresh(attend_all):
-    """Drift threshold 0: every token whose input moved is recomputed at every layer, so the partial path (tower
-    and decoder) must equal a full refresh; and the reuse ratio still counts the gate's tokens at the first layer."""
+def test_partial_decoder_run_with_drift_zero_equals_full_refresh():
+    """Drift threshold 0 (and no shared-drift sample, which at 16 tokens would cover them all): every token whose
+    input moved is recomputed at every layer, so the partial path must equal a full refresh; the tower's first
+    layer's queries run for the gate's tokens only."""
+    from vla_node.reuse import ReuseConfig
+
     model = build_vla(CONFIG, seed=2)
-    partial = MultiRatePolicy(model, CacheConfig.exact())
+    exact = ReuseConfig(tower_drift_threshold=1e-12, decoder_drift_threshold=1e-12,  # any move
+                        shared_drift_samples=0)
+    partial = MultiRatePolicy(model, CacheConfig.exact(), reuse=exact)
     full = MultiRatePolicy(model, CacheConfig.exact())
     for policy in (partial, full):
         policy.update_text("keep lane")
     frames = list(moving(5, seed=3))
     state = np.zeros(CONFIG.state_dim, np.float32)
-    for i, frame in enumerate(frames):
-        images = frame[None]
-        tokens = None if i == 0 else [changed_tokens(frames[i - 1], frame)]
-        update = partial.update_vision(images, tokens)
-        if i == 0:
-            tower, frames_cache = partial.tower_cache, partial._frame_tokens
-            assert isinstance(frames_cache, FrameTokenCache)
-            tower.drift_threshold = frames_cache.drift_threshold = 0.0
-            tower.attend_all = frames_cache.attend_all = attend_all
-        assert update.full == (i == 0)
-        full.update_vision(images)
-        a, b = partial.action_tick(state), full.action_tick(state)
-        assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
+    query_rows = []  # rows through the first tower layer's and the first decoder layer's q_proj
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: query_rows.append(i[0].shape[-2]))
+             for layer in (model.vision.encoder.layers[0], model.decoder.model.layers[0])]
+    try:
+        for i, frame in enumerate(frames):
+            images = frame[None]
+            tokens = None if i == 0 else [changed_tokens(frames[i - 1], frame)]
+            query_rows.clear()
+            update = partial.update_vision(images, tokens)
+            assert update.full == (i == 0)
+            if i > 0:  # the tower's partial path ran (every decoder input moves with the tower's attention, so
+                # the decoder recomputes all 16: its partial path is the next test's)
+                assert query_rows == [tokens[0].numel(), 16] and tokens[0].numel() < 16, query_rows
+            full.update_vision(images)
+            a, b = partial.action_tick(state), full.action_tick(state)
+            assert (a.logits - b.logits).abs().max().item() <= 1e-4, i
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@torch.inference_mode()
+def test_frame_token_cache_partial_run_equals_a_full_run_with_drift_zero():
+    """The decoder's partial path itself: inputs moved only in some rows; with drift threshold 0 the first layer
+    recomputes just those rows (their queries by index), and every staged K/V and query equals a full run's."""
+    from vla_node.kv.attention import Segment
+
+    model = build_vla(CONFIG, seed=2)
+    layers, rope, c = model.decoder.model.layers, model.decoder.rope, CONFIG
+    T, gen = c.tokens_per_frame, torch.Generator().manual_seed(0)
+    k_text = torch.randn(c.num_layers, c.num_kv_heads, 5, c.head_dim, generator=gen)
+    v_text = torch.randn(c.num_layers, c.num_kv_heads, 5, c.head_dim, generator=gen)
+    text = lambda layer: Segment(k_text[layer], v_text[layer], None)  # noqa: E731
+    positions = torch.tensor(c.vision_positions(0))
+    x1 = torch.randn(T, c.hidden_size, generator=gen)
+    rows = torch.tensor([1, 6, 11])
+    x2 = x1.clone()
+    x2[rows] += torch.randn(len(rows), c.hidden_size, generator=gen)
+    cache = FrameTokenCache(layers, rope, T, drift_threshold=0.0)
+    cache.run(x1, positions, None, text, "go")
+    cache.commit()
+    seen = []  # rows through the first layer's q_proj: the partial path recomputes the moved ones only
+    hook = layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    try:
+        cache.run(x2, positions, rows, text, "go")
+    finally:
+        hook.remove()
+    assert seen == [len(rows)]
+    fresh = FrameTokenCache(layers, rope, T)
+    fresh.run(x2, positions, None, text, "go")
+    torch.testing.assert_close(cache.staged_k, fresh.staged_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.staged_v, fresh.staged_v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache._stage["q"], fresh._stage["q"], atol=1e-5, rtol=1e-5)
 
 
 def test_partial_update_without_shared_drift_reuses_and_moves_every_tokens_kv():
@@ -150,11 +194,11 @@ def test_aborted_partial_update_leaves_both_caches_as_they_were():
     frame_cache = policy._frame_tokens
     snapshot = [t.clone() for t in (policy.tower_cache.out, policy.tower_cache.mlp_out, frame_cache.k,
                                     frame_cache.mlp_out, policy.vision.partitions[0].k)]
-    checks = iter([True] * 3 + [False])  # stop inside the tower ... then inside the decoder on a second try
-    with pytest.raises(StageAborted):
+    checks = iter([True, False])  # stop inside the tower ... then inside the decoder on a second try
+    with pytest.raises(StageAborted, match="vision layer 1"):
         policy.update_vision(frames[1][None], [changed_tokens(frames[0], frames[1])], check=lambda f: next(checks))
-    checks = iter([True] * (CONFIG.vision_layers + 1) + [True, False])
-    with pytest.raises(StageAborted):
+    checks = iter([True] * (CONFIG.vision_layers + 1) + [True, False])  # the tower's layers, its end, a layer
+    with pytest.raises(StageAborted, match="decoder layer 1"):
         policy.update_vision(frames[1][None], [changed_tokens(frames[0], frames[1])], check=lambda f: next(checks))
     after = [policy.tower_cache.out, policy.tower_cache.mlp_out, frame_cache.k, frame_cache.mlp_out,
              policy.vision.partitions[0].k]
@@ -243,7 +287,11 @@ def test_shared_drift_recomputes_a_sample_and_moves_the_reused_tokens():
     policy.update_vision(frames[0][None])
     tokens = changed_tokens(frames[0], frames[1])
     assert tokens.numel() + 2 < CONFIG.tokens_per_frame
+    out_before = policy.tower_cache.out[0].clone()  # [T, W]
     update = policy.update_vision(frames[1][None], [tokens])
+    reused = torch.tensor([t for t in range(CONFIG.tokens_per_camera) if t not in set(tokens.tolist())])
+    moved = (policy.tower_cache.out[0][reused] != out_before[reused]).any(dim=-1)  # [reused]
+    assert moved.all(), moved  # every reused token moved by the sample's shared change, not just the sample
     assert update.tokens_refreshed == tokens.numel() + 2
     assert policy._frame_tokens.staged_rows == [tokens.numel() + 2] * (CONFIG.num_layers - 1)
     state = np.zeros(CONFIG.state_dim, np.float32)
