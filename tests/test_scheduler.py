@@ -541,6 +541,15 @@ def test_broker_step_follows_elapsed_periods_across_skipped_ticks():
     assert (out.status, out.step) == (TickStatus.CHUNK, 3)
 
 
+def test_a_chunk_offered_after_its_tick_was_due_plays_each_step_once():
+    """The tick due at T0 is published late (the publisher woke after the worker offered at T0 + 0.2 ms): it plays
+    step 0 as fresh, and the next tick, due one period later, plays step 1, not step 0 again."""
+    broker = make_broker()
+    broker.offer(chunk_of(0.0), 1, T0 - 10 * MS, T0 + MS // 5, 0)
+    steps = [(out.status, out.step) for out in (broker.next(T0 + k * PERIOD) for k in range(4))]
+    assert steps == [(TickStatus.FRESH, 0), (TickStatus.CHUNK, 1), (TickStatus.CHUNK, 2), (TickStatus.CHUNK, 3)]
+
+
 def test_late_chunk_is_never_fresh():
     broker = make_broker()
     broker.offer(chunk_of(0.0), 1, frame_stamp_ns=T0 - 51 * MS, produced_ns=T0, level=0)

@@ -168,6 +168,9 @@ class ChunkBroker:
                 step = elapsed // self.period_ns if elapsed > 0 else 0
                 if fresh and step == 0:
                     status = TickStatus.FRESH
+                    # a tick due before the chunk was produced (the publisher woke late) plays its step 0: the
+                    # steps count from that tick, so the next one plays step 1, not step 0 again
+                    self._produced_ns = min(self._produced_ns, now_ns)
                 elif step < self.horizon and elapsed <= self.max_age_ns:
                     status = TickStatus.CHUNK
             self.ticks[status] += 1

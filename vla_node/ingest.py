@@ -31,7 +31,7 @@ class CameraStats:
     dropped: int = 0  # superseded by a newer frame before the model saw it (in the queue or unprocessed)
     last_arrival_ns: int | None = None
     last_seq: int | None = None
-    window_count: int = 0  # frames received since the last health report
+    reported: int = 0  # `received` at the last health report (read by the publisher: the worker never writes it)
 
 
 class Ingest:
@@ -81,7 +81,6 @@ class Ingest:
             self.dropped_in_queue += index
             stats = self.stats[frame.camera]
             stats.received += 1 + index
-            stats.window_count += 1 + index
             stats.dropped += index
             stats.last_arrival_ns = now_ns
             stats.last_seq = frame.seq
@@ -137,12 +136,13 @@ class Ingest:
     def health(self, now_ns: int, period_s: float, timeout_ns: int, min_hz: float) -> dict:
         cameras = {}
         for name, s in self.stats.items():
-            rate = s.window_count / period_s if period_s > 0 else 0.0
+            received = s.received  # one read: the worker may add to it meanwhile
+            rate = (received - s.reported) / period_s if period_s > 0 else 0.0
             alive = s.last_arrival_ns is not None and now_ns - s.last_arrival_ns <= timeout_ns
             cameras[name] = {"alive": alive, "rate_hz": round(rate, 2), "rate_ok": alive and rate >= min_hz,
-                             "received": s.received, "processed": s.processed, "dropped": s.dropped,
+                             "received": received, "processed": s.processed, "dropped": s.dropped,
                              "last_seq": s.last_seq}
-            s.window_count = 0
+            s.reported = received
         dropped = sum(s.dropped for s in self.stats.values()) + self.dropped_unattributed
         return {"cameras": cameras, "rejects": dict(self.rejects), "rejected": sum(self.rejects.values()),
                 "drops": {"superseded_in_queue": self.dropped_in_queue,

@@ -55,6 +55,15 @@ def apply_realtime(config: NodeConfig) -> None:
                         rt.sched_fifo_priority, e)
 
 
+def drop_realtime_priority() -> None:
+    """This thread back to SCHED_OTHER: a thread started after apply_realtime inherits SCHED_FIFO, and under
+    SCHED_FIFO a thread cannot preempt another of the same priority, so inference would delay the control ticks."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (OSError, AttributeError) as e:
+        log.warning("the worker thread keeps the realtime priority (SCHED_OTHER not applied: %s)", e)
+
+
 class Node:
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
@@ -81,6 +90,7 @@ class Node:
         if self.config.realtime.gc_freeze:
             gc.collect()
             gc.freeze()
+            gc.disable()  # no collection in the loops (as openpilot's realtime processes)
         self.transport = NodeTransport(self.config.transport)
         worker = threading.Thread(target=self._guard(self._worker_loop), name="vla-worker", daemon=True)
         with SignalFlag(signal.SIGINT, signal.SIGTERM) as self.signals:
@@ -110,6 +120,8 @@ class Node:
 
     # --- worker: inputs and inference -----------------------------------------------------------------
     def _worker_loop(self) -> None:
+        if self.config.realtime.sched_fifo_priority:
+            drop_realtime_priority()  # SCHED_FIFO is the publisher's alone
         transport, ingest, pipeline = self.transport, self.ingest, self.pipeline
         while not self.stop_event.is_set():
             if not transport.poll(5):
