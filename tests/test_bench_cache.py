@@ -71,3 +71,11 @@ def test_a_bench_refuses_the_flags_it_does_not_take(capsys):
     assert err == "vla-node bench: error: bench node: --iters does not apply (it takes --seconds)"
     assert main(["bench", "model", "--weights", "fp16"]) == 2
     assert "--weights does not apply (it takes --iters, --threads)" in capsys.readouterr().err
+
+
+def test_bench_model_runs_on_a_preset_with_a_short_text_partition(tmp_path):
+    """tiny's text partition holds 23 bytes: bench model takes an instruction that fits it."""
+    from vla_node import bench_model
+
+    result = bench_model.run("tiny", iters=1, iters_bf16=1, json_path=str(tmp_path / "model.json"))
+    assert all(result[key] > 0 for key in ("reference_fp32_ms", "reference_bf16_ms", "hf_generate_ms"))
