@@ -10,7 +10,6 @@ the compute dtype, a log(count) bias and a similarity buffer for merging, all al
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any, NamedTuple
 
