@@ -93,6 +93,12 @@ def test_fully_masked_rows_give_zeros_not_nan():
     for out in (segmented_attention(q, [(k, v, mask)])[0], gather_attention(q, [(k, v, mask)]),
                 dense_attention(q, k, v, mask)):
         assert not out.isnan().any() and float(out[:, 1].abs().max()) == 0.0
+    bias = torch.zeros(3, 5)
+    bias[1] = float("-inf")  # row 1 blocked by the bias of a segment without a mask
+    blocked = Segment(k, v, None, bias)
+    for out in (segmented_attention(q, [blocked])[0], gather_attention(q, [blocked]),
+                dense_attention(q, k, v, None, bias)):
+        assert not out.isnan().any() and float(out[:, 1].abs().max()) == 0.0
     out, lse = segmented_attention(q, [])
     assert float(out.abs().max()) == 0.0 and bool(torch.isneginf(lse).all())
     assert float(gather_attention(q, [(k[:, :0], v[:, :0], None)]).abs().max()) == 0.0

@@ -150,6 +150,8 @@ def _bad_writes(p: KVPartition):
         "frame id str": dict(frame_id="7"),
         "frame id length": dict(frame_id=torch.arange(n + 1)),
         "count zero": dict(count=torch.zeros(n, dtype=torch.int32)),
+        "count above int32": dict(count=torch.full((n,), 2**32 + 1, dtype=torch.int64)),
+        "frame id above int64": dict(frame_id=2**63),
         "importance shape": dict(importance=torch.zeros(n, 2)),
         "tier": dict(tier=1000),
     }

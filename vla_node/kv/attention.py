@@ -179,8 +179,8 @@ def gather_attention(
         if bias is not None:
             fill_bias(bias[:, offset:end], seg.mask, seg.bias)
         offset = end
-    # a non-empty segment without a mask is seen by every row: then no row can be empty
-    may_be_empty = not any(seg.mask is None and seg.k.shape[1] > 0 for seg in segs)
+    # a non-empty segment without a mask or a bias (a bias may hold -inf) is seen by every row: no row is empty
+    may_be_empty = not any(seg.mask is None and seg.bias is None and seg.k.shape[1] > 0 for seg in segs)
     return buffer_attention(q, ws.k[:, :total], ws.v[:, :total], bias, check_empty=may_be_empty)
 
 

@@ -305,15 +305,16 @@ class KVPartition:
         _check_vector(self.name, "positions", positions, n, (torch.int64,))
         if isinstance(frame_id, torch.Tensor):
             _check_vector(self.name, "frame_id", frame_id, n, (torch.int64,))
-        elif not isinstance(frame_id, int) or isinstance(frame_id, bool):
-            raise ValueError(f"{self.name}.write: frame_id {frame_id!r}: expected an int or an int64 tensor [n]")
+        elif not isinstance(frame_id, int) or isinstance(frame_id, bool) or not -2**63 <= frame_id < 2**63:
+            raise ValueError(f"{self.name}.write: frame_id {frame_id!r}: expected an int64 value or tensor [n]")
         if importance is not None:
             _check_vector(self.name, "importance", importance, n, (torch.float32, torch.float64, torch.float16,
                                                                     torch.bfloat16))
         if count is not None:
             _check_vector(self.name, "count", count, n, (torch.int32, torch.int64))
-            if n and int(count.min()) < 1:
-                raise ValueError(f"{self.name}.write: count {count.tolist()}: expected every count >= 1")
+            if n and (int(count.min()) < 1 or int(count.max()) > 2**31 - 1):
+                raise ValueError(f"{self.name}.write: count {count.tolist()}: expected every count in 1..2**31-1 "
+                                 "(stored as int32)")
         if n == 0:
             return
         for name, t in (("k", k), ("v", v)):
