@@ -12,8 +12,8 @@ from vla_node.validate import ConfigError
 
 pytestmark = pytest.mark.unit
 
-KEYS = ("action_tick_ms", "action_tick_after_commit_ms", "vision_update_ms", "text_update_ms", "reference_step_ms",
-        "hf_generate_ms", "kv_bytes", "vision_kv_bytes_fp16_equivalent")
+KEYS = ("action_tick_ms", "action_tick_after_commit_ms", "vision_update_ms", "vision_update_with_tick_ms",
+        "text_update_ms", "reference_step_ms", "hf_generate_ms", "kv_bytes", "vision_kv_bytes_fp16_equivalent")
 
 
 def _run(tmp_path, compute_dtype):
@@ -27,6 +27,11 @@ def _run(tmp_path, compute_dtype):
     assert all(result[key] > 0 for key in KEYS if key.endswith("_ms"))
     for row in result["vision_policies"]:  # vision + tick: the same work in every row
         assert row["step_ms"] > 0 and row["step_ms"] >= min(row["vision_update_ms"], row["action_tick_ms"])
+    # the target's frame is the fused stage; the same work as two stages is reported beside it
+    assert result["hf_generate_over_vision_update_plus_action_tick"] == round(
+        result["hf_generate_ms"] / result["vision_update_with_tick_ms"], 2)
+    assert result["hf_generate_over_separate_vision_update_and_tick"] == round(
+        result["hf_generate_ms"] / (result["vision_update_ms"] + result["action_tick_after_commit_ms"]), 2)
     for key, target in result["targets"].items():
         assert target["met"] == (result[key] >= target["target"])
         rounds = target["per_round"]

@@ -227,3 +227,23 @@ def test_read_validates_layer_and_buffers():
         p.read(3)
     with pytest.raises(ValueError, match="out_k"):
         p.read(0, torch.empty(H, 99, D), torch.empty(H, 99, D))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("capacity", [100, 96])  # the last key group partial (100 = 3 x 32 + 4) or not
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_round_trip_is_what_a_whole_write_then_read_returns_without_touching_storage(dtype, capacity, compute):
+    p = make(dtype, capacity)
+    k, v = (t.to(compute) for t in tokens(capacity, seed=4, spread=3.0))
+    before = snapshot(p)
+    out = [torch.zeros(H, capacity, D, dtype=compute) for _ in range(4)]
+    for layer in range(L):
+        p.round_trip(k[layer], v[layer], out[0], out[1])
+        assert_unchanged(p, before)
+        p.write(torch.arange(capacity), k, v, torch.arange(capacity), 0)
+        p.read(layer, out[2], out[3])
+        assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3]), layer
+        p.clear()
+        before = snapshot(p)
+    with pytest.raises(ValueError, match="round_trip"):
+        p.round_trip(k[0, :, :10], v[0], out[0], out[1])

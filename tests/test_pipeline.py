@@ -103,3 +103,21 @@ def test_fp16_compute_on_the_cpu_runs_plain_fp16_weights():
     assert type(pipeline.policy.model.decoder.lm_head) is torch.nn.Linear
     assert pipeline.policy.model.decoder.lm_head.weight.dtype == torch.float16
     assert all(v > 0 for v in pipeline.warm_up(rounds=1).values())
+
+
+def test_a_frames_tick_runs_in_its_vision_pass_and_is_no_sample_of_the_action_cost():
+    clock = Clock()
+    pipeline = Pipeline(load_launch(TINY), clock)
+    pipeline.warm_up(rounds=1)
+    costs = pipeline.scheduler.costs
+    # a new frame, the same frame again (nothing to recompute: the tick runs on its own), another new one
+    for seq, value, fused in ((0, 40, True), (1, 40, False), (2, 200, True)):
+        rgb = np.full((48, 64, 3), value, np.uint8)
+        plan = pipeline.process([Frame("front", seq, clock.now, "rgb8", 48, 64, rgb)], None,
+                                np.full(4, seq, np.float32))
+        runs = {run.stage: run for run in plan.budget.runs}
+        assert runs["vision"].within is None and runs["action"].within == ("vision" if fused else None), runs
+        out = pipeline.broker.next(clock.now)
+        assert out.status is TickStatus.FRESH and out.frame_seq == seq
+        clock.now += 100_000_000
+    assert costs.count("action") == 1 and costs.count(plan.cost_keys[1]) == 3

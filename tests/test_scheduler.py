@@ -703,3 +703,39 @@ def test_property_level_in_bounds_and_every_tick_a_finite_action(events, smaller
             assert out.status in TickStatus
             if out.status is TickStatus.FRESH:
                 assert out.frame_stamp_ns is not None and out.step == 0
+
+
+# -- a stage done within another --------------------------------------------------------------------------
+
+
+def test_a_stage_done_within_another_completes_without_a_time_of_its_own():
+    budget = Budget(0, 50 * MS, {"vision": 10 * MS, "action": 5 * MS})
+    budget.begin("vision", 0)
+    budget.end("vision", 12 * MS)
+    assert budget.done_within("action", "vision") == StageRun("action", 0, 1.0, "vision")
+    assert budget.outcome().produced and budget.outcome().timing_ms() == {"vision": 12.0}
+    with pytest.raises(RuntimeError, match="twice"):
+        budget.done_within("action", "vision")
+    stopped = Budget(0, 50 * MS, {"vision": 10 * MS, "action": 5 * MS})
+    stopped.begin("vision", 0)
+    stopped.stop("vision", 5 * MS, 0.5)
+    with pytest.raises(RuntimeError, match="did not complete"):  # then the action stage runs on its own
+        stopped.done_within("action", "vision")
+    for bad in (dict(within="vision", elapsed_ns=MS), dict(within="action", elapsed_ns=0),
+                dict(within="visoin", elapsed_ns=0)):
+        with pytest.raises(ValueError, match="within"):
+            StageRun("action", bad["elapsed_ns"], 1.0, bad["within"])
+
+
+def test_a_stage_done_within_another_is_no_sample_of_its_cost():
+    sched = Scheduler(SchedulerConfig(), {"text": 20, "vision": 20, "action": 5})
+    for i in range(3):
+        now = T0 + i * 100 * MS
+        plan = sched.plan_frame(now, now, False)
+        budget = plan.budget
+        budget.begin("vision", now)
+        budget.end("vision", now + 18 * MS)
+        budget.done_within("action", "vision")
+        sched.finish_frame(now + 18 * MS, now, budget.outcome())
+    assert sched.costs.count("action") == 0 and sched.costs.count(plan.cost_keys[1]) == 3
+    assert sched.missed_frames == 0 and sched.level == 0

@@ -114,11 +114,14 @@ class CostModel:
 
 @dataclass(frozen=True)
 class StageRun:
-    """One stage of one frame: how long it ran and how much of it was done (1.0: completed, committed)."""
+    """One stage of one frame: how long it ran and how much of it was done (1.0: completed, committed). `within`:
+    the stage ran inside that other stage's work (the action tick in its frame's vision pass): its time is counted
+    there, so it has no duration of its own and is no sample of its cost."""
 
     stage: str
     elapsed_ns: int
     fraction_done: float = 1.0
+    within: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -127,6 +130,9 @@ class StageRun:
             raise ValueError(f"StageRun.elapsed_ns = {self.elapsed_ns!r}: expected an integer number of ns >= 0")
         if not (is_number(self.fraction_done) and 0 <= self.fraction_done <= 1):
             raise ValueError(f"StageRun.fraction_done = {self.fraction_done!r}: expected a fraction in [0, 1]")
+        if self.within is not None and (self.within not in STAGES or self.within == self.stage or self.elapsed_ns):
+            raise ValueError(f"StageRun.within = {self.within!r} for {self.stage!r} ({self.elapsed_ns} ns): expected "
+                             f"None or another stage of {list(STAGES)}, with elapsed_ns 0")
 
     @property
     def completed(self) -> bool:
@@ -144,8 +150,9 @@ class FrameOutcome:
         return any(run.stage == "action" and run.completed for run in self.runs)
 
     def timing_ms(self) -> dict[str, float]:
-        """Elapsed ms per stage that ran (for the action message's `timing_ms`)."""
-        return {run.stage: run.elapsed_ns / NS_PER_MS for run in self.runs}
+        """Elapsed ms per stage that ran on its own (for the action message's `timing_ms`): a stage that ran within
+        another is counted in that one's."""
+        return {run.stage: run.elapsed_ns / NS_PER_MS for run in self.runs if run.within is None}
 
 
 class Budget:
@@ -214,6 +221,19 @@ class Budget:
     def end(self, stage: str, now_ns: int) -> StageRun:
         """The stage completed: its result may be committed."""
         return self._finish(stage, now_ns, 1.0)
+
+    def done_within(self, stage: str, within: str) -> StageRun:
+        """The stage was done inside `within`'s work, which completed (the action tick in its frame's vision
+        pass): it completed, with no time of its own."""
+        self._planned(stage)
+        if not self.completed(within):
+            raise RuntimeError(f"stage {stage!r} done within {within!r}, which did not complete")
+        if stage in self._began or any(run.stage == stage for run in self._runs):
+            raise RuntimeError(f"stage {stage!r} ran twice in one frame")
+        self._began[stage] = self._began[within]
+        run = StageRun(stage, 0, 1.0, within)
+        self._runs.append(run)
+        return run
 
     def stop(self, stage: str, now_ns: int, fraction_done: float) -> StageRun:
         """The stage stopped early after `fraction_done` of its work: discard the partial result."""

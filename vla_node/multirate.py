@@ -8,7 +8,9 @@ budget check that says stop raises StageAborted before anything is committed):
     update_vision(frames)     per camera frame: vision tower, then the frame's K/V into the vision memory;
                               the (short) state partition attends to vision, so it is recomputed too: inside
                               the next tick's block when it can be (parallel decoding with the prefix buffer,
-                              one pass over the weights for both), else right after the commit
+                              one pass over the weights for both), else right after the commit. Given the
+                              ego state, it also decodes that tick in the frame's own pass where it can (see
+                              update_vision): one pass over the decoder's weights for a frame and its action
     action_tick(state)        per control decision: appends the state token, decodes an action chunk
 
 Block-causal order and fixed positions are the model's (see vla.py and ModelConfig): with every partition
@@ -32,7 +34,7 @@ from vla_node.kv.partition import resolve_device
 from vla_node.kv.prefix import PrefixBuffer
 from vla_node.model.action_head import ActionBins
 from vla_node.model.tokenizer import encode
-from vla_node.model.vision_cache import FrameTokenCache, VisionStageAborted, VisionTokenCache
+from vla_node.model.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.reference import ActionChunk, check_state
 from vla_node.reuse import ReuseConfig
@@ -71,10 +73,25 @@ class VisionUpdate:
     tokens_refreshed: int  # vision tower tokens recomputed (all cameras)
     tokens_total: int
     full: bool  # the decoder's vision partition was rewritten whole (not just the changed tokens)
+    chunk: ActionChunk | None = None  # the action tick decoded in the same pass (update_vision's `state`)
 
     @property
     def reuse_ratio(self) -> float:
         return 1.0 - self.tokens_refreshed / self.tokens_total
+
+
+@dataclass(frozen=True)
+class _TickRows:
+    """A tick decoded in its frame's pass (MultiRatePolicy._tick_rows): what its commit needs."""
+
+    slot: int
+    position: torch.Tensor  # [1]
+    old: torch.Tensor  # the other stored states' ring slots [m]
+    rows: ExtraRows
+    k_state: torch.Tensor  # [L, KV, 1, hd], views of rows.out_k / out_v
+    v_state: torch.Tensor
+    refreshed: tuple  # the other states' (slots, K, V, positions)
+    prefix_exact: bool  # the frame went into the prefix buffer as stored: no load needed after the commit
 
 
 @dataclass(frozen=True)
@@ -179,8 +196,13 @@ class MultiRatePolicy:
                                               c.tokens_per_frame, dtype,
                                               drift_threshold=reuse.decoder_drift_threshold,
                                               layer_budget=reuse.layer_budget,
-                                              shared_drift_samples=reuse.shared_drift_samples)
+                                              shared_drift_samples=reuse.shared_drift_samples,
+                                              extra_rows=c.state_slots + c.action_tokens)
                               if self._decoder_reuse else None)
+        # the tick decoded in its frame's pass (_tick_rows): the frame alone fills the vision memory, and the states
+        # it recomputes are those a tick after the commit would recompute
+        self._frame_tick = (self._decoder_reuse and self._fuse_states and len(self.vision.partitions) == 1
+                            and self.vision.partitions[0].capacity == c.tokens_per_frame)
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
@@ -326,15 +348,23 @@ class MultiRatePolicy:
 
     @on_device
     def update_vision(self, images: np.ndarray, tokens: list[torch.Tensor | None] | None = None,
-                      scene_cut: bool = False, check: Check | None = None) -> VisionUpdate:
+                      scene_cut: bool = False, check: Check | None = None, state=None) -> VisionUpdate:
         """images uint8 [C, S, S, 3] (prepare_frames). `tokens`: per camera, the token indices to recompute
         (from the reuse gate); None = all. Reuse happens in the vision tower always, and in the decoder's
         vision partition when it holds just the current frame (vision_frames = 1, fifo): there every token's
         K/V is re-projected from its updated residual stream, the expensive parts only for the changed tokens
-        (FrameTokenCache). A scene cut is a full refresh that flushes the vision memory."""
+        (FrameTokenCache). A scene cut is a full refresh that flushes the vision memory.
+
+        `state` (the ego state [state_dim]): also run the action tick with it, in the frame's own decoder pass
+        where the cache allows (vision_frames = 1, fifo, parallel decoding, the prefix buffer): the tick's rows
+        join the frame's matmuls, one read of the weights for both. With float vision storage the result equals
+        update_vision then action_tick bit for bit; with INT8 storage the tick sees the frame's K/V before they
+        are quantized (_tick_rows). Committed with the frame, as one transaction; the chunk is returned in
+        VisionUpdate.chunk (None where the tick could not join, or nothing changed: then call action_tick)."""
         if not self.text_ids:
             raise RuntimeError("update_vision before update_text: the instruction must be set first")
         c = self.config
+        tick = self._tick_rows(state) if state is not None and self._frame_tick else None
         T = c.tokens_per_camera
         pixels = to_pixels(images, self.dtype).to(self.device)  # [C, 3, S, S]
         if scene_cut or tokens is None:
@@ -352,36 +382,51 @@ class MultiRatePolicy:
             if check is not None and not check(0.5):
                 raise StageAborted("stopped after the vision tower")
             if frames is not None:
-                self._update_tokens(outputs, tokens if partial else None, span(check, 0.5, 1.0), scene_cut)
+                chunk = self._update_tokens(outputs, tokens if partial else None, span(check, 0.5, 1.0), scene_cut,
+                                            tick)
             else:
+                chunk = None
                 self._admit(self.model.project_vision(torch.stack(outputs)), scene_cut, span(check, 0.5, 1.0))
             refreshed = sum(T if t is None else math.ceil(self.tower_cache.recomputed_tokens(cam))
                             for cam, t in enumerate(tokens))
         except (StageAborted, VisionStageAborted) as e:
-            self.tower_cache.discard()
-            if frames is not None:
-                frames.discard()
+            self._discard_vision(tick)
             raise StageAborted(str(e)) from None
+        except BaseException:
+            self._discard_vision(tick)
+            raise
         self.tower_cache.commit()
         self.frame_count += 1
-        return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial)
+        return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial, chunk)
+
+    def _discard_vision(self, tick: "_TickRows | None") -> None:
+        """A vision stage that did not finish: drop what it staged; a tick in its pass had written the frame into the
+        prefix buffer, which is read anew from the (unchanged) cache."""
+        self.tower_cache.discard()
+        if self._frame_tokens is not None:
+            self._frame_tokens.discard()
+        if tick is not None:
+            self._prefix.load(self._vision_prefix)
 
     def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor] | None, check: Check | None,
-                       scene_cut: bool = False) -> int:
+                       scene_cut: bool = False, tick: "_TickRows | None" = None) -> ActionChunk | None:
         """The frame through the decoder with the FrameTokenCache (vision_frames = 1, fifo): every token's K/V is
         rewritten in the vision partition; Q/attention/MLP are recomputed for `tokens` (per camera; None = all, a
-        new frame admitted as _admit does). Returns the tokens the decoder recomputed (mean over layers)."""
+        new frame admitted as _admit does). With `tick`, its rows join the pass and the tick is committed with
+        the frame: returns its chunk (None without a tick, or when nothing changed and nothing ran)."""
         c = self.config
         T = c.tokens_per_camera
         frames: FrameTokenCache = self._frame_tokens
         if tokens is not None and all(t.numel() == 0 for t in tokens):
-            return 0  # nothing changed: the partition and the states stay as they are, bit for bit
+            return None  # nothing changed: the partition and the states stay as they are, bit for bit
         x = self.model.project_vision(torch.stack(outputs))  # [C, T, W] -> [C*T, hidden]
         flat = None if tokens is None else torch.cat([cam * T + t for cam, t in enumerate(tokens)])  # [n]
         frame_id = self.frame_count if tokens is None else self._frame_ids[-1]
         slot = frame_id % c.vision_frames
         positions = torch.tensor(c.vision_positions(slot))
-        frames.run(x, positions, flat, self._text_segment, self.instruction, check, self._attend)
+        frames.run(x, positions, flat, self._text_segment, self.instruction, check, self._attend,
+                   None if tick is None else tick.rows)
+        bins = None if tick is None else self._tick_bins(tick.rows.hidden[1 + tick.old.numel() :])
         # commit
         if tokens is None:
             admission = self.vision.admit_frame(frame_id, frames.staged_k, frames.staged_v, positions,
@@ -393,8 +438,11 @@ class MultiRatePolicy:
             self.vision.partitions[0].write(self._token_slots, frames.staged_k, frames.staged_v, positions, frame_id)
         self._frame_embeds[slot].copy_(x)
         frames.commit()
-        self._after_commit()
-        return math.ceil(sum(frames.staged_rows) / max(len(frames.staged_rows), 1))
+        self._after_commit(prefix_loaded=tick is not None and tick.prefix_exact)  # the tick's pass wrote it there
+        if tick is None:
+            return None
+        return self._commit_tick(tick.slot, tick.rows.x[:1], tick.k_state, tick.v_state, tick.position, bins,
+                                 tick.refreshed)
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
         c = self.config
@@ -412,10 +460,11 @@ class MultiRatePolicy:
         self._after_commit()
         return frame_id
 
-    def _after_commit(self) -> None:
-        """Every commit of text or vision ends here: the tick's prefix is read anew, and the stored states
-        (they attend to text and vision) are recomputed now or marked for the next tick's block."""
-        if self._prefix is not None:
+    def _after_commit(self, prefix_loaded: bool = False) -> None:
+        """Every commit of text or vision ends here: the tick's prefix is read anew (unless it holds the commit
+        already), and the stored states (they attend to text and vision) are recomputed now or marked for the next
+        tick's block."""
+        if self._prefix is not None and not prefix_loaded:
             self._prefix.load(self._vision_prefix)
         if self._fuse_states:
             self._states_stale = True
@@ -470,7 +519,13 @@ class MultiRatePolicy:
                         Segment(k_s[layer], v_s[layer], None)]
 
             bins = self._decode_queries(prefix, check)
-        # commit
+        return self._commit_tick(slot, x, k_s, v_s, position, bins, refreshed)
+
+    def _commit_tick(self, slot: int, x: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,
+                     bins: np.ndarray, refreshed: tuple | None) -> ActionChunk:
+        """A tick's commit: the state token x [1, hidden] (K/V [L, KV, 1, hd]) into its ring slot, the other states
+        recomputed in its block (`refreshed`: slots, K, V, positions) where they were stale; the chunk of `bins`
+        and self._logits."""
         if refreshed is not None:  # the other states, recomputed in the tick's block
             self.action.write(*refreshed, 0)
             self._states_stale = False
@@ -482,6 +537,53 @@ class MultiRatePolicy:
                 self.vision.add_importance(None, imp, segment=i)
         logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
         return ActionChunk(self.bins.to_values(bins), bins, logits)
+
+    def _tick_bins(self, hidden: torch.Tensor) -> np.ndarray:
+        """The action queries' final hidden states [H*D, hidden] -> logits into self._logits; returns bins [H, D]."""
+        self._logits.copy_(self.model.decoder.logits(hidden))
+        return self.bins.bins_from_logits(self._logits).cpu().numpy()
+
+    def _tick_rows(self, state) -> "_TickRows":
+        """The tick with `state` as rows of its frame's decoder pass: _fused_tick's block (the new state | the other
+        stored states, recomputed: the frame changes them | the queries), attending to the text, the frame's K/V as
+        the vision partition will store them, and itself."""
+        c, m = self.config, self.model
+        s = check_state(state, c.state_dim).to(self.device, self.dtype)
+        slot = self.state_count % c.state_slots
+        position = torch.tensor([c.state_base + slot])
+        self._others.copy_(self.action.valid)
+        self._others[slot] = False  # the slot being replaced in the ring
+        old = self._others.nonzero().flatten()  # [m] ring slots
+        n_old = old.numel()
+        x = torch.cat([m.embed_state(s), self._state_embeds[old], m.embed_text(m.query_ids(None))])  # [1+m+H*D, hidden]
+        old_positions = c.state_base + old
+        positions = torch.cat([position, old_positions, self._tick_positions[1:]])
+        n = x.shape[0]
+        k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
+        # The prefix buffer's vision part receives the frame layer by layer and the block attends over the prefix
+        # buffer as _fused_tick does. With float storage the frame goes in as the partition stores it (converted):
+        # the very values its next load reads, so the tick equals update_vision then action_tick. INT8 storage would
+        # cost a quantization round trip per layer (about 5 ms a frame on a CPU): the tick sees the frame's K/V as
+        # computed instead, and the buffer is loaded from the cache after the commit. A stopped stage reloads it.
+        prefix, partition = self._prefix, self.vision.partitions[0]
+        start = self.text.capacity
+        end = start + partition.capacity
+        prefix.bias[:, start:end].zero_()  # every slot of the frame valid
+        prefix.set_block(None, self._fused_masks[n_old], n)
+        exact = not partition.spec.quantized
+
+        def attend(layer: int, q, k_rows, v_rows, frame_k, frame_v) -> torch.Tensor:
+            k_frame, v_frame = prefix.k[layer, :, start:end], prefix.v[layer, :, start:end]
+            if exact:
+                partition.round_trip(frame_k, frame_v, k_frame, v_frame)
+            else:
+                k_frame.copy_(frame_k)
+                v_frame.copy_(frame_v)
+            return prefix.attend(layer, q, k_rows, v_rows, None)
+
+        refreshed = (old, k[:, :, 1 : 1 + n_old], v[:, :, 1 : 1 + n_old], old_positions)
+        return _TickRows(slot, position, old, ExtraRows(x, positions, attend, k, v), k[:, :, :1], v[:, :, :1],
+                         refreshed, exact)
 
     def _decode_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
         """Parallel decoding: the state token and the H*D queries as one block, so a tick reads the weights
@@ -509,8 +611,7 @@ class MultiRatePolicy:
         else:
             attend = self._over_segments(prefix, self._tick_mask, importance)
         h = self._run_block(x, self._tick_positions, attend, k, v, check)
-        self._logits.copy_(m.decoder.logits(h[1:]))
-        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1], None
+        return self._tick_bins(h[1:]), k[:, :, :1], v[:, :, :1], None
 
     def _fused_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
         """_decode_tick's block with the m other stored states recomputed in it: rows new state | those states |
@@ -525,9 +626,8 @@ class MultiRatePolicy:
         k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         self._prefix.set_block(None, self._fused_masks[n_old], n)
         h = self._run_block(x, positions, self._over_prefix(states=False), k, v, check)
-        self._logits.copy_(m.decoder.logits(h[1 + n_old :]))
         refreshed = (old, k[:, :, 1 : 1 + n_old], v[:, :, 1 : 1 + n_old], old_positions)
-        return self.bins.bins_from_logits(self._logits).cpu().numpy(), k[:, :, :1], v[:, :, :1], refreshed
+        return self._tick_bins(h[1 + n_old :]), k[:, :, :1], v[:, :, :1], refreshed
 
     def _decode_queries(self, prefix: Callable[[int], list[Segment]], check: Check | None) -> np.ndarray:
         """Autoregressive decoding of the H*D action queries over the prefix (the state already staged);

@@ -209,13 +209,18 @@ class Pipeline:
                     self.small.update_text(instruction)
                 if policy is self.small:
                     self.policy.update_text(instruction)  # keep the main engine in step
+        update = None
         if plan.run_vision:
             update = self._vision(policy, frames, knobs, plan, run)
             if update is not None:
                 tokens_refreshed, reuse_ratio = update.tokens_refreshed, update.reuse_ratio
         chunk = None
         if plan.run_action:
-            chunk = run("action", lambda check: policy.action_tick(self.state, check))
+            if update is not None and update.chunk is not None:  # the tick ran in the frame's vision pass
+                chunk = update.chunk
+                budget.done_within("action", "vision")
+            else:
+                chunk = run("action", lambda check: policy.action_tick(self.state, check))
         outcome = budget.outcome()
         if chunk is not None:
             timing = outcome.timing_ms()
@@ -228,13 +233,16 @@ class Pipeline:
         return plan
 
     def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
-        """The vision stage: resize to the model input, plan reuse, update; the gates commit with it."""
+        """The vision stage: resize to the model input, plan reuse, update; the gates commit with it. When the
+        action stage follows, its tick is handed to the update (it decodes it in the frame's pass where it can;
+        its budget stays reserved for a stage that stops halfway)."""
         c = policy.config
+        state = self.state if plan.run_action else None
         if policy is self.small or plan.instruction_changed:
             # the smaller engine's cache is not kept frame by frame, and a new instruction invalidates
             # every cached vision token: a full refresh either way
             return run("vision", lambda check: policy.update_vision(
-                policy.prepare_frames([f.rgb for f in frames]), None, False, check))
+                policy.prepare_frames([f.rgb for f in frames]), None, False, check, state))
         threshold = self.config.reuse.threshold * knobs.reuse_threshold_scale
         cap = None
         if knobs.max_refresh_fraction < 1.0:
@@ -248,7 +256,7 @@ class Pipeline:
             plans = [gate.plan(images[i], threshold=threshold, max_refresh=cap) for i, gate in enumerate(self.gates)]
             scene_cut = any(p.scene_cut and p.full for p in plans)  # a capped cut refreshes over several frames
             tokens = [None if p.full else torch.tensor(p.refresh) for p in plans]
-            update = policy.update_vision(images, tokens, scene_cut, check)
+            update = policy.update_vision(images, tokens, scene_cut, check, state)
             staged.extend(zip(self.gates, plans, images))
             return update
 

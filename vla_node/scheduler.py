@@ -426,7 +426,7 @@ class Scheduler:
                                  f"({plan.level_name}) planned only {list(plan.stages)}")
         self._pending = None
         for run in outcome.runs:
-            if run.fraction_done > 0:  # a stopped stage counts as its extrapolated full cost
+            if run.fraction_done > 0 and run.within is None:  # a stopped stage counts as its extrapolated full cost
                 key = keys[run.stage]
                 self.costs.record(key, math.ceil(run.elapsed_ns / run.fraction_done))
                 self._last_sample_ns[key] = now_ns

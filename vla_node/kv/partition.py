@@ -427,6 +427,25 @@ class KVPartition:
         self._dequant_layer(layer, out_k, out_v)
         return out_k, out_v, self.valid
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """out_k, out_v <- what read() of a layer returns after a write of every slot in order with k, v [n_kv_heads,
+        capacity, head_dim] as that layer's K/V (stored in this partition's dtype: quantized and dequantized, or
+        converted), without touching the storage: for a block that attends to a frame before it is committed."""
+        want = (self.spec.n_kv_heads, self.capacity, self.spec.head_dim)
+        for name, t in (("k", k), ("v", v), ("out_k", out_k), ("out_v", out_v)):
+            if tuple(t.shape) != want or not t.is_floating_point():
+                raise ValueError(f"{self.name}.round_trip: {name} {_describe(t)}: expected a float tensor {list(want)}")
+        if not self.spec.quantized:
+            out_k.copy_(k.to(self.k.dtype))
+            out_v.copy_(v.to(self.v.dtype))
+            return
+        sd, G, C = self.spec.torch_scale_dtype, self.spec.key_group, self.capacity
+        full = C // G * G  # as _write_int8_whole: whole key groups, then the last, partial one
+        for start, end, group in ((0, full, G), (full, C, C - full)):
+            if end > start:
+                out_k[:, start:end].copy_(quant.dequantize_keys(quant.quantize_keys(k[:, start:end], group, sd), group))
+        out_v.copy_(quant.dequantize_values(quant.quantize_values(v, sd)))
+
     def read_keys(self, layer: int, out_k: torch.Tensor) -> torch.Tensor:
         """K of one layer dequantized / converted into out_k [n_kv_heads, capacity, head_dim]."""
         want = (self.spec.n_kv_heads, self.capacity, self.spec.head_dim)

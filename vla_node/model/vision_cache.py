@@ -32,6 +32,7 @@ the decoder's KV cache (a budget stop leaves both as they were).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -46,6 +47,21 @@ Check = Callable[[float], bool]  # called with the fraction done; False = stop n
 
 class VisionStageAborted(Exception):
     pass
+
+
+@dataclass
+class ExtraRows:
+    """Rows decoded in the same pass as a frame's tokens (the action tick's block), so that each layer's matmuls
+    read the weights once for both. They attend as `attend(layer, q, k, v, frame_k, frame_v)` says (q [H, n, hd],
+    their own k and v [KV, n, hd], the frame's staged k and v [KV, T, hd] -> [H, n, hd]); every layer's K/V goes to
+    out_k / out_v [L, KV, n, hd] and their final hidden states to `hidden` [n, hidden]."""
+
+    x: torch.Tensor  # [n, hidden] input embeddings
+    positions: torch.Tensor  # int64 [n]
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    out_k: torch.Tensor
+    out_v: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None, threshold: float | None,
@@ -285,7 +301,7 @@ class FrameTokenCache:
 
     def __init__(self, layers, rope, tokens: int, dtype: torch.dtype = torch.float32, *, attend_all: bool = True,
                  drift_threshold: float | None = None, layer_budget: float | None = None,
-                 shared_drift_samples: int = 0) -> None:
+                 shared_drift_samples: int = 0, extra_rows: int = 0) -> None:
         self.layers, self.rope = layers, rope
         self.shared_drift_samples = shared_drift_samples
         self.attend_all, self.drift_threshold, self.layer_budget = attend_all, drift_threshold, layer_budget
@@ -303,7 +319,8 @@ class FrameTokenCache:
         self.mid_ref = torch.zeros_like(self.attn_out)  # each MLP's input when last recomputed
         self._stage = {name: torch.zeros_like(getattr(self, name)) for name in self._STATE}
         self._mask = torch.zeros(tokens, dtype=torch.bool)
-        self._x = torch.zeros(tokens, hidden, dtype=dtype)
+        self._x = torch.zeros(tokens + extra_rows, hidden, dtype=dtype)  # residual streams: the frame, extra rows
+        self._extra_index = torch.arange(tokens, tokens + extra_rows)  # the extra rows' places in _x
         self.context: object = None  # what the cached state was computed against (the instruction); None = empty
         self._staged_context: object = None
         self._staged = False
@@ -319,11 +336,12 @@ class FrameTokenCache:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None,
             text: Callable[[int], Segment], context: object, check: Check | None = None,
-            attend: Callable | None = None) -> None:
+            attend: Callable | None = None, extra: ExtraRows | None = None) -> None:
         """x [T, hidden] every token's input embedding; positions int64 [T]; tokens int64 [n] to recompute (None =
         all, which is required when the cache holds nothing for `context`); text(layer) the text partition's
         Segment. Stages every layer's K/V (staged_k, staged_v) and the cache's new state. `check` as in the
-        policy's blocks (raises VisionStageAborted)."""
+        policy's blocks (raises VisionStageAborted). `extra`: rows decoded in the same matmuls (at most the
+        extra_rows given at construction); they change nothing in the cache."""
         from vla_node.kv.attention import Segment, segmented_attention
         from vla_node.model.decoder import apply_rope
 
@@ -331,19 +349,38 @@ class FrameTokenCache:
         if tokens is not None and context != self.context:
             raise ValueError(f"partial decoder run against context {context!r}: the cache holds {self.context!r}")
         T, H, KV, hd = self.tokens, self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.rope(positions, x.dtype)  # [T, hd]
+        n_extra = 0 if extra is None else extra.x.shape[0]
+        if n_extra > self._x.shape[0] - T:
+            raise ValueError(f"{n_extra} extra rows: this cache was built for at most {self._x.shape[0] - T}")
+        if extra is not None:
+            positions = torch.cat([positions, extra.positions])  # [T + n_extra]
+        cos, sin = self.rope(positions, x.dtype)  # [T + n_extra, hd]
         s = self._stage
-        xs = self._x
+        xa = self._x[: T + n_extra]  # the frame's residual stream, then the extra rows'
+        xs, xe = xa[:T], xa[T:]
         xs.copy_(x)
+        if extra is not None:
+            xe.copy_(extra.x)
+        extra_index = self._extra_index[:n_extra]
         n_layers = len(self.layers)
         for i, layer in enumerate(self.layers):
             if check is not None and not check(i / n_layers):
                 raise VisionStageAborted(f"stopped before decoder layer {i}")
             a = layer.self_attn
-            h = layer.input_layernorm(xs)  # [T, hidden]
-            s["k"][i].copy_(apply_rope(a.k_proj(h).reshape(T, KV, hd).transpose(0, 1), cos, sin))  # -> [KV, T, hd]
-            s["v"][i].copy_(a.v_proj(h).reshape(T, KV, hd).transpose(0, 1))
-            if i == n_layers - 1:
+            h = layer.input_layernorm(xa)  # [T + n_extra, hidden]
+            k = apply_rope(a.k_proj(h).reshape(-1, KV, hd).transpose(0, 1), cos, sin)  # -> [KV, T + n_extra, hd]
+            v = a.v_proj(h).reshape(-1, KV, hd).transpose(0, 1)
+            s["k"][i].copy_(k[:, :T])
+            s["v"][i].copy_(v[:, :T])
+            if extra is not None:
+                extra.out_k[i].copy_(k[:, T:])
+                extra.out_v[i].copy_(v[:, T:])
+            if i == n_layers - 1:  # the frame's tokens need only their K/V here; extra rows finish the layer
+                if extra is not None:
+                    q = a.q_proj(h[T:]).reshape(n_extra, H, hd).transpose(0, 1)  # [n, H*hd] -> [H, n, hd]
+                    q = apply_rope(q, cos[T:], sin[T:])
+                    attn = extra.attend(i, q, extra.out_k[i], extra.out_v[i], s["k"][i], s["v"][i])
+                    extra.hidden = layer.finish(xe, attn)
                 break
             rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask, self.layer_budget)  # [n]
             sample = rows[:0]
@@ -353,37 +390,49 @@ class FrameTokenCache:
             self.staged_rows[i] = n
             full = n == T
             sq = s["q"][i]
+            # queries of the recomputed rows and the extra rows, one matmul: [H, n + n_extra, hd]
+            picked = None if full else torch.cat([rows, extra_index])  # rows of xa
+            q = a.q_proj(h if picked is None else h.index_select(0, picked)).reshape(-1, H, hd).transpose(0, 1)
+            q = apply_rope(q, cos if picked is None else cos.index_select(0, picked),
+                           sin if picked is None else sin.index_select(0, picked))
+            q_extra = q[:, n:]
             if full:
-                sq.copy_(apply_rope(a.q_proj(h).reshape(T, H, hd).transpose(0, 1), cos, sin))  # -> [H, T, hd]
+                sq.copy_(q[:, :T])
             else:
                 sq.copy_(self.q[i])
-                q = a.q_proj(h.index_select(0, rows)).reshape(n, H, hd).transpose(0, 1)  # [n, H*hd] -> [H, n, hd]
-                sq.index_copy_(1, rows, apply_rope(q, cos.index_select(0, rows), sin.index_select(0, rows)))
+                sq.index_copy_(1, rows, q[:, :n])
             if self._track_inputs:
                 _stage_rows(s["x_ref"][i], self.x_ref[i], xs if full else xs.index_select(0, rows),
                             None if full else rows)
             own = Segment(s["k"][i], s["v"][i], None)
             sa, sm = s["attn_out"][i], s["mlp_out"][i]
-            if full or (self.attend_all and not self.shared_drift_samples):
-                attn, _ = attend(sq, [text(i), own])  # [H, T, hd]
-                sa.copy_(a.o_proj(attn.transpose(0, 1).reshape(T, H * hd)))  # [H, T, hd] -> [T, H*hd]
+            every = full or (self.attend_all and not self.shared_drift_samples)  # every token's attention anew
+            attn, _ = attend(sq if every else q[:, :n], [text(i), own])  # [H, T or n, hd]
+            if extra is not None:  # one o_proj for both: [H, T or n, hd] | [H, n_extra, hd]
+                extra_attn = extra.attend(i, q_extra, extra.out_k[i], extra.out_v[i], s["k"][i], s["v"][i])
+                attn = torch.cat([attn, extra_attn], dim=1)
+            out = a.o_proj(attn.transpose(0, 1).reshape(-1, H * hd))  # [H, rows, hd] -> [rows, H*hd]
+            if every:
+                sa.copy_(out[:T])
             else:
-                attn, _ = attend(sq.index_select(1, rows), [text(i), own])  # [H, n, hd]
-                new = a.o_proj(attn.transpose(0, 1).reshape(n, H * hd))  # [H, n, hd] -> [n, H*hd]
-                shift_reused(sa, self.attn_out[i], new, rows, sample, 0)
+                shift_reused(sa, self.attn_out[i], out[:n], rows, sample, 0)
             xs.add_(sa)
+            xe.add_(out[out.shape[0] - n_extra :])
             if not full and self.drift_threshold is not None:  # the MLP's own gate
                 rows = drifted_rows(xs, self.mid_ref[i], rows, self.drift_threshold, self._mask)
                 full = rows.numel() == T
                 self.staged_rows[i] = rows.numel()
-            mid = xs if full else xs.index_select(0, rows)  # [n, hidden]
             if self.drift_threshold is not None:
-                _stage_rows(s["mid_ref"][i], self.mid_ref[i], mid, None if full else rows)
+                _stage_rows(s["mid_ref"][i], self.mid_ref[i], xs if full else xs.index_select(0, rows),
+                            None if full else rows)
+            mid = xa if full else xa.index_select(0, torch.cat([rows, extra_index]))  # [rows + n_extra, hidden]
+            out = layer.mlp(layer.post_attention_layernorm(mid))
             if full:
-                sm.copy_(layer.mlp(layer.post_attention_layernorm(xs)))
+                sm.copy_(out[:T])
             else:
-                shift_reused(sm, self.mlp_out[i], layer.mlp(layer.post_attention_layernorm(mid)), rows, sample, 0)
+                shift_reused(sm, self.mlp_out[i], out[: rows.numel()], rows, sample, 0)
             xs.add_(sm)
+            xe.add_(out[out.shape[0] - n_extra :])
         self._staged, self._staged_context = True, context
 
     def commit(self) -> None:

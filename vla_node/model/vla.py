@@ -72,16 +72,17 @@ class VLA(nn.Module):
 
 
 def preprocess_frame(rgb: np.ndarray, image_size: int) -> np.ndarray:
-    """Any HxWx3 uint8 RGB frame -> image_size x image_size x 3 uint8 (bilinear, antialiased, rounded)."""
+    """Any HxWx3 uint8 RGB frame -> image_size x image_size x 3 uint8 (bilinear, antialiased). The resize runs on
+    the uint8 pixels (torch's fixed-point kernel: within one level of the float resize rounded, about 5x faster)."""
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ValueError(f"frame of shape {rgb.shape} and dtype {rgb.dtype}: expected HxWx3 uint8 RGB")
     if rgb.shape[0] == image_size and rgb.shape[1] == image_size:
         return np.ascontiguousarray(rgb)
     if not rgb.flags.writeable:
         rgb = rgb.copy()  # a read-only view of a received buffer; torch wants writable memory
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None].float()  # [H, W, 3] -> [1, 3, H, W]
+    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]  # [H, W, 3] -> [1, 3, H, W] (a view)
     x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False)
-    return x[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()  # [1, 3, S, S] -> [S, S, 3]
+    return x[0].permute(1, 2, 0).numpy()  # [1, 3, S, S] -> [S, S, 3], a strided view (callers stack or copy it)
 
 
 def to_pixels(images: np.ndarray | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

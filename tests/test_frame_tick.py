@@ -1,0 +1,137 @@
+"""The action tick decoded in its frame's vision pass (update_vision with the ego state) against the two stages."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from vla_node.kv import VisionMemoryConfig
+from vla_node.model import build_vla, preset
+from vla_node.multirate import CacheConfig, MultiRatePolicy, StageAborted
+from vla_node.reference import ReferencePolicy
+
+from test_multirate import frames_and_states
+
+pytestmark = pytest.mark.unit
+
+INT8_TEXT = CacheConfig(text_dtype="int8", vision=VisionMemoryConfig(storage_dtype="fp32"))  # float vision: exact
+FLOAT_VISION = CacheConfig(vision=VisionMemoryConfig(storage_dtype="bf16"))
+
+
+def twins(cache, config=None, dtype=torch.float32):
+    config = config or preset("tiny")
+    model = build_vla(config, seed=3)
+    return MultiRatePolicy(copy.deepcopy(model), cache, dtype), MultiRatePolicy(copy.deepcopy(model), cache, dtype)
+
+
+def storage(policy):
+    return [t.clone() for p in (policy.text, *policy.vision.partitions, policy.action)
+            for t in p._data_tensors() + p._scale_tensors() + p._metadata_tensors()]
+
+
+def run_both(fused, separate, steps=6):
+    """Frames through both policies: full refreshes and partial ones, one ordinary tick after each; yields the
+    (fused, separate) chunks of every step."""
+    for policy in (fused, separate):
+        policy.update_text("follow the lane")
+    for i, (frame, state) in enumerate(frames_and_states(steps)):
+        images = fused.prepare_frames([frame])
+        tokens = None if i % 2 == 0 else [torch.tensor([0, 3])]
+        update = fused.update_vision(images, tokens, state=state)
+        assert update.chunk is not None, i
+        assert separate.update_vision(images, tokens).chunk is None  # no state: the tick is the caller's
+        yield update.chunk, separate.action_tick(state)
+        yield fused.action_tick(-state), separate.action_tick(-state)
+
+
+@pytest.mark.parametrize("cache", [CacheConfig.exact(), FLOAT_VISION, INT8_TEXT], ids=["fp32", "bf16", "int8-text"])
+def test_with_float_vision_storage_the_fused_tick_equals_update_then_tick_bit_for_bit(cache):
+    fused, separate = twins(cache)
+    for a, b in run_both(fused, separate):
+        assert torch.equal(a.logits, b.logits)
+        np.testing.assert_array_equal(a.bins, b.bins)
+    for x, y in zip(storage(fused), storage(separate)):  # the same cache after all that, the states' K/V included
+        assert torch.equal(x, y)
+    assert (fused.frame_count, fused.state_count) == (separate.frame_count, separate.state_count)
+
+
+def test_with_int8_vision_storage_the_fused_tick_sees_the_frame_before_quantization():
+    """INT8 (the default): the fused tick attends to the frame's K/V as computed, the separate one to them
+    dequantized; the stored frame is the same and the actions agree."""
+    fused, separate = twins(CacheConfig(text_dtype="fp32", action_dtype="fp32"))
+    exact = MultiRatePolicy(build_vla(preset("tiny"), seed=3), CacheConfig.exact())
+    exact.update_text("follow the lane")
+    diffs = []
+    for step, (a, b) in enumerate(run_both(fused, separate)):
+        np.testing.assert_array_equal(a.bins, b.bins)
+        diffs.append((a.logits - b.logits).abs().max().item())
+        assert diffs[-1] <= 5e-3, step
+    assert max(diffs[::2]) > 0  # the fused ticks differ (the ordinary ticks after them barely)
+    vision = [p.k for p in (fused.vision.partitions[0], separate.vision.partitions[0])]
+    assert torch.equal(*vision)
+
+
+def test_the_fused_tick_equals_the_reference_step():
+    config = preset("tiny").replace(state_slots=2)
+    policy = MultiRatePolicy(build_vla(config, seed=5), CacheConfig.exact())
+    reference = ReferencePolicy(build_vla(config, seed=5))
+    policy.update_text("follow the lane")
+    for frame, state in frames_and_states(5):
+        ours = policy.update_vision(policy.prepare_frames([frame]), state=state).chunk
+        theirs = reference.step([frame], "follow the lane", state)
+        assert (ours.logits - theirs.logits).abs().max().item() <= 1e-4
+        np.testing.assert_array_equal(ours.bins, theirs.bins)
+
+
+@pytest.mark.parametrize("why", ["window", "autoregressive", "no prefix buffer", "h2o"])
+def test_where_the_tick_cannot_join_the_frame_the_update_leaves_it_to_the_caller(why):
+    config, cache = preset("tiny"), CacheConfig()
+    if why == "window":
+        config = config.replace(vision_frames=2)
+    elif why == "autoregressive":
+        config = config.replace(action_decode="autoregressive")
+    elif why == "no prefix buffer":
+        cache = CacheConfig(tick_prefix=False)
+    else:
+        cache = CacheConfig(vision=VisionMemoryConfig(policy="h2o"))
+    policy = MultiRatePolicy(build_vla(config, seed=1), cache)
+    policy.update_text("go")
+    frame, state = next(frames_and_states(1))
+    assert policy.update_vision(policy.prepare_frames([frame]), state=state).chunk is None
+    assert policy.state_count == 0
+
+
+def test_a_bad_state_is_refused_before_anything_runs():
+    policy = MultiRatePolicy(build_vla(preset("tiny"), seed=1), CacheConfig())
+    policy.update_text("go")
+    frame, _ = next(frames_and_states(1))
+    before = storage(policy)
+    with pytest.raises(ValueError, match="state"):
+        policy.update_vision(policy.prepare_frames([frame]), state=np.zeros(3, np.float32))
+    assert policy.frame_count == 0 and all(torch.equal(x, y) for x, y in zip(before, storage(policy)))
+
+
+@pytest.mark.parametrize("stop_at", [0.25, 0.6, 0.8])  # in the tower; after one and two of three decoder layers
+def test_a_stopped_fused_stage_leaves_cache_prefix_and_states_as_they_were(stop_at):
+    fused, separate = twins(CacheConfig(text_dtype="fp32", action_dtype="fp32"), preset("tiny").replace(num_layers=3))
+    steps = list(frames_and_states(3))
+    for policy in (fused, separate):
+        policy.update_text("follow the lane")
+        policy.update_vision(policy.prepare_frames([steps[0][0]]), state=steps[0][1])
+        policy.action_tick(steps[0][1])
+    before = storage(fused)
+    def prefix_part(buffer):  # the text and vision part (behind it: the per-tick state ring and block, scratch)
+        n = buffer.prefix_tokens
+        return [buffer.k[:, :, :n].clone(), buffer.v[:, :, :n].clone(), buffer.bias[:, :n].clone()]
+
+    prefix = prefix_part(fused._prefix)
+    with pytest.raises(StageAborted):  # the decoder (the second half) wrote the frame into the prefix buffer
+        fused.update_vision(fused.prepare_frames([steps[1][0]]), check=lambda f: f < stop_at, state=steps[1][1])
+    assert all(torch.equal(x, y) for x, y in zip(before, storage(fused)))
+    assert all(torch.equal(x, y) for x, y in zip(prefix, prefix_part(fused._prefix)))
+    assert (fused.frame_count, fused.state_count) == (1, 2)
+    # and it goes on exactly as a policy that never saw the stopped frame
+    a = fused.update_vision(fused.prepare_frames([steps[2][0]]), state=steps[2][1]).chunk
+    b = separate.update_vision(separate.prepare_frames([steps[2][0]]), state=steps[2][1]).chunk
+    assert torch.equal(a.logits, b.logits)
