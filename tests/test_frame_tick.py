@@ -112,6 +112,24 @@ def test_a_bad_state_is_refused_before_anything_runs():
     assert policy.frame_count == 0 and all(torch.equal(x, y) for x, y in zip(before, storage(policy)))
 
 
+def prefix_part(buffer):
+    """The prefix buffer's text and vision part (behind it: the per-tick state ring and block, scratch)."""
+    n = buffer.prefix_tokens
+    return [buffer.k[:, :, :n].clone(), buffer.v[:, :, :n].clone(), buffer.bias[:, :n].clone()]
+
+
+def test_an_update_that_fails_before_its_pass_leaves_the_prefix_buffer_as_it_was():
+    """On an empty vision memory the prefix buffer masks every vision slot: a failed update must not unmask them."""
+    policy = MultiRatePolicy(build_vla(preset("tiny"), seed=1), CacheConfig())
+    policy.update_text("go")
+    frame, state = next(frames_and_states(1))
+    before = prefix_part(policy._prefix)
+    with pytest.raises(RuntimeError):  # not [C, S, S, 3]: refused after the state was taken
+        policy.update_vision(policy.prepare_frames([frame])[0], state=state)
+    assert all(torch.equal(x, y) for x, y in zip(before, prefix_part(policy._prefix)))
+    assert torch.isneginf(policy._prefix.bias[0, policy.text.capacity : policy._prefix.prefix_tokens]).all()
+
+
 @pytest.mark.parametrize("stop_at", [0.25, 0.6, 0.8])  # in the tower; after one and two of three decoder layers
 def test_a_stopped_fused_stage_leaves_cache_prefix_and_states_as_they_were(stop_at):
     fused, separate = twins(CacheConfig(text_dtype="fp32", action_dtype="fp32"), preset("tiny").replace(num_layers=3))
@@ -121,10 +139,6 @@ def test_a_stopped_fused_stage_leaves_cache_prefix_and_states_as_they_were(stop_
         policy.update_vision(policy.prepare_frames([steps[0][0]]), state=steps[0][1])
         policy.action_tick(steps[0][1])
     before = storage(fused)
-    def prefix_part(buffer):  # the text and vision part (behind it: the per-tick state ring and block, scratch)
-        n = buffer.prefix_tokens
-        return [buffer.k[:, :, :n].clone(), buffer.v[:, :, :n].clone(), buffer.bias[:, :n].clone()]
-
     prefix = prefix_part(fused._prefix)
     with pytest.raises(StageAborted):  # the decoder (the second half) wrote the frame into the prefix buffer
         fused.update_vision(fused.prepare_frames([steps[1][0]]), check=lambda f: f < stop_at, state=steps[1][1])

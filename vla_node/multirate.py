@@ -399,6 +399,13 @@ class MultiRatePolicy:
         self.frame_count += 1
         return VisionUpdate(self.frame_count - 1, refreshed, c.tokens_per_frame, not partial, chunk)
 
+    def _open_prefix(self, tick: "_TickRows") -> None:
+        """The prefix buffer for a tick in its frame's pass: every vision slot valid (the frame fills the partition),
+        the block's rows and mask set. Undone by a load from the cache (_discard_vision)."""
+        start = self.text.capacity
+        self._prefix.bias[:, start : start + self.vision.partitions[0].capacity].zero_()
+        self._prefix.set_block(None, self._fused_masks[tick.old.numel()], tick.rows.x.shape[0])
+
     def _discard_vision(self, tick: "_TickRows | None") -> None:
         """A vision stage that did not finish: drop what it staged; a tick in its pass had written the frame into the
         prefix buffer, which is read anew from the (unchanged) cache."""
@@ -424,6 +431,8 @@ class MultiRatePolicy:
         frame_id = self.frame_count if tokens is None else self._frame_ids[-1]
         slot = frame_id % c.vision_frames
         positions = torch.tensor(c.vision_positions(slot))
+        if tick is not None:
+            self._open_prefix(tick)
         frames.run(x, positions, flat, self._text_segment, self.instruction, check, self._attend,
                    None if tick is None else tick.rows)
         bins = None if tick is None else self._tick_bins(tick.rows.hidden[1 + tick.old.numel() :])
@@ -561,15 +570,14 @@ class MultiRatePolicy:
         n = x.shape[0]
         k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         # The prefix buffer's vision part receives the frame layer by layer and the block attends over the prefix
-        # buffer as _fused_tick does. With float storage the frame goes in as the partition stores it (converted):
-        # the very values its next load reads, so the tick equals update_vision then action_tick. INT8 storage would
-        # cost a quantization round trip per layer (about 5 ms a frame on a CPU): the tick sees the frame's K/V as
-        # computed instead, and the buffer is loaded from the cache after the commit. A stopped stage reloads it.
+        # buffer as _fused_tick does (_open_prefix). With float storage the frame goes in as the partition stores it
+        # (converted): the very values its next load reads, so the tick equals update_vision then action_tick. INT8
+        # storage would cost a quantization round trip per layer (about 5 ms a frame on a CPU): the tick sees the
+        # frame's K/V as computed instead, and the buffer is loaded from the cache after the commit. A stage that
+        # does not finish reloads it.
         prefix, partition = self._prefix, self.vision.partitions[0]
         start = self.text.capacity
         end = start + partition.capacity
-        prefix.bias[:, start:end].zero_()  # every slot of the frame valid
-        prefix.set_block(None, self._fused_masks[n_old], n)
         exact = not partition.spec.quantized
 
         def attend(layer: int, q, k_rows, v_rows, frame_k, frame_v) -> torch.Tensor:
