@@ -134,3 +134,22 @@ def test_config_takes_packed_only_with_bf16_compute_on_a_cpu_that_has_it(monkeyp
     assert ModelSection(weights="packed", dtype="bf16").resolved_weights == "packed"
     assert ModelSection(weights="auto", dtype="auto").resolved_weights == "packed"
     assert ModelSection(weights="auto", dtype="bf16", device="cuda").resolved_weights == "bf16"
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [1, 17, 196])
+def test_the_fused_qkv_projection_equals_the_three_projections_bit_for_bit(rows):
+    model = use_packed_weights(build_vla(preset("small"), seed=2).to(torch.bfloat16))
+    layer = model.decoder.model.layers[1]
+    x = torch.randn(rows, model.config.hidden_size).to(torch.bfloat16)
+    cos, sin = model.decoder.rope(torch.arange(rows) + 40, torch.bfloat16)
+    with torch.inference_mode():
+        fused = layer.project_qkv(x, cos, sin)
+        qkv = layer.self_attn.__dict__.pop("qkv")  # the three projections on their own
+        assert "qkv" not in dict(layer.self_attn.named_modules()) and not any("qkv" in k for k in model.state_dict())
+        separate = layer.project_qkv(x, cos, sin)
+        object.__setattr__(layer.self_attn, "qkv", qkv)  # back as a plain attribute, as use_packed_weights sets it
+    for a, b in zip(fused, separate):
+        assert a.shape == b.shape and torch.equal(a, b)
+    clone = copy.deepcopy(model)  # the copy's fused projection packs the copy's weights
+    assert clone.decoder.model.layers[1].self_attn.__dict__["qkv"]._parts[0] is clone.decoder.model.layers[1].self_attn.q_proj

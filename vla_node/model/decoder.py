@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryTable(nn.Module):
-    """cos/sin for every position of the fixed layout, fp32, built once (HF Llama's default RoPE)."""
+    """cos and signed sin for every position of the fixed layout, fp32, built once (HF Llama's default RoPE)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
@@ -37,9 +37,12 @@ class RotaryTable(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with its first half negated: HF's rotate_half(x) * sin == roll(x, hd/2) * signed_sin, bit for bit
+        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, hd] each
+        """(cos, signed sin) [T, hd] each, for apply_rope."""
+        return self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +50,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, T, hd], cos/sin [T, hd]."""
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, hd], cos and signed_sin [T, hd] (RotaryTable): HF's x * cos + rotate_half(x) * sin in four
+    ops instead of seven (the halves swapped by a roll, the sign carried by the table; negating a product is
+    exact, so the result is the same bit for bit)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaAttention(nn.Module):
@@ -83,10 +88,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> q [heads, T, hd], k and v [kv_heads, T, hd]; RoPE applied to q and k."""
+        """x [T, hidden] -> q [heads, T, hd], k and v [kv_heads, T, hd]; RoPE applied to q and k. With packed
+        weights (`qkv`, packed_weights.py) the three projections are one matmul and q, k one RoPE call."""
         a = self.self_attn
         t = x.shape[0]
         h = self.input_layernorm(x)
+        qkv = a.__dict__.get("qkv")
+        if qkv is not None:
+            heads = qkv(h).reshape(t, a.heads + 2 * a.kv_heads, a.head_dim).transpose(0, 1)  # -> [H + 2 KV, T, hd]
+            qk = apply_rope(heads[: a.heads + a.kv_heads], cos, sin)
+            return qk[: a.heads], qk[a.heads :], heads[a.heads + a.kv_heads :]
         q = a.q_proj(h).reshape(t, a.heads, a.head_dim).transpose(0, 1)  # [T, H*hd] -> [H, T, hd]
         k = a.k_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # -> [KV, T, hd]
         v = a.v_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # -> [KV, T, hd]
