@@ -105,19 +105,24 @@ def test_fp16_compute_on_the_cpu_runs_plain_fp16_weights():
     assert all(v > 0 for v in pipeline.warm_up(rounds=1).values())
 
 
-def test_a_frames_tick_runs_in_its_vision_pass_and_is_no_sample_of_the_action_cost():
+def test_a_frames_tick_runs_in_its_vision_pass_and_the_action_cost_stays_measured():
     clock = Clock()
     pipeline = Pipeline(load_launch(TINY), clock)
     pipeline.warm_up(rounds=1)
     costs = pipeline.scheduler.costs
-    # a new frame, the same frame again (nothing to recompute: the tick runs on its own), another new one
-    for seq, value, fused in ((0, 40, True), (1, 40, False), (2, 200, True)):
+    half_age_ns = int(pipeline.config.scheduler.cost_max_age_ms * 1e6) // 2
+    # (gap before the frame, pixel value, where the tick runs): the first frame measures the action stage on its
+    # own; then the ticks join their frames' passes, except where nothing changed (the same frame again: no pass)
+    # and once the action stage's last sample is half cost_max_age_ms old (measured on its own again)
+    steps = [(0, 40, None), (100_000_000, 90, "vision"), (100_000_000, 90, None), (100_000_000, 200, "vision"),
+             (half_age_ns, 30, None), (100_000_000, 120, "vision")]
+    for seq, (gap, value, within) in enumerate(steps):
+        clock.now += gap
         rgb = np.full((48, 64, 3), value, np.uint8)
         plan = pipeline.process([Frame("front", seq, clock.now, "rgb8", 48, 64, rgb)], None,
                                 np.full(4, seq, np.float32))
         runs = {run.stage: run for run in plan.budget.runs}
-        assert runs["vision"].within is None and runs["action"].within == ("vision" if fused else None), runs
+        assert runs["vision"].within is None and runs["action"].within == within, (seq, runs)
         out = pipeline.broker.next(clock.now)
         assert out.status is TickStatus.FRESH and out.frame_seq == seq
-        clock.now += 100_000_000
-    assert costs.count("action") == 1 and costs.count(plan.cost_keys[1]) == 3
+    assert costs.count("action") == 3 and costs.count(plan.cost_keys[1]) == len(steps)

@@ -739,3 +739,16 @@ def test_a_stage_done_within_another_is_no_sample_of_its_cost():
         sched.finish_frame(now + 18 * MS, now, budget.outcome())
     assert sched.costs.count("action") == 0 and sched.costs.count(plan.cost_keys[1]) == 3
     assert sched.missed_frames == 0 and sched.level == 0
+
+
+def test_the_action_stage_wants_a_sample_of_its_own_every_half_cost_max_age():
+    sched = Scheduler(SchedulerConfig(cost_max_age_ms=2000.0), {"text": 20, "vision": 20, "action": 5})
+    plan = sched.plan_frame(T0, T0, False)
+    assert sched.wants_action_sample(plan, T0)  # nothing measured yet
+    plan.budget.begin("action", T0)
+    plan.budget.end("action", T0 + 4 * MS)
+    sched.finish_frame(T0 + 4 * MS, T0, plan.budget.outcome())
+    plan = sched.plan_frame(T0 + 100 * MS, T0 + 100 * MS, False)
+    assert not sched.wants_action_sample(plan, T0 + 100 * MS)
+    assert not sched.wants_action_sample(plan, T0 + 1003 * MS)
+    assert sched.wants_action_sample(plan, T0 + 1004 * MS)  # 1000 ms after the sample, recorded at T0 + 4 ms

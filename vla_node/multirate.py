@@ -358,7 +358,7 @@ class MultiRatePolicy:
         `state` (the ego state [state_dim]): also run the action tick with it, in the frame's own decoder pass
         where the cache allows (vision_frames = 1, fifo, parallel decoding, the prefix buffer): the tick's rows
         join the frame's matmuls, one read of the weights for both. With float vision storage the result equals
-        update_vision then action_tick bit for bit; with INT8 storage the tick sees the frame's K/V before they
+        update_vision then action_tick (bit for bit after a full refresh); with INT8 storage the tick sees the frame's K/V before they
         are quantized (_tick_rows). Committed with the frame, as one transaction; the chunk is returned in
         VisionUpdate.chunk (None where the tick could not join, or nothing changed: then call action_tick)."""
         if not self.text_ids:
@@ -435,7 +435,10 @@ class MultiRatePolicy:
             self._open_prefix(tick)
         frames.run(x, positions, flat, self._text_segment, self.instruction, check, self._attend,
                    None if tick is None else tick.rows)
-        bins = None if tick is None else self._tick_bins(tick.rows.hidden[1 + tick.old.numel() :])
+        chunk = None
+        if tick is not None:  # the tick's chunk, its writes checked: nothing that can fail is left for the commit
+            bins = self._tick_bins(tick.rows.hidden[1 + tick.old.numel() :])
+            chunk = self._tick_chunk(bins, tick.k_state, tick.v_state, tick.position, tick.refreshed)
         # commit
         if tokens is None:
             admission = self.vision.admit_frame(frame_id, frames.staged_k, frames.staged_v, positions,
@@ -448,10 +451,9 @@ class MultiRatePolicy:
         self._frame_embeds[slot].copy_(x)
         frames.commit()
         self._after_commit(prefix_loaded=tick is not None and tick.prefix_exact)  # the tick's pass wrote it there
-        if tick is None:
-            return None
-        return self._commit_tick(tick.slot, tick.rows.x[:1], tick.k_state, tick.v_state, tick.position, bins,
-                                 tick.refreshed)
+        if tick is not None:
+            self._commit_tick(tick.slot, tick.rows.x[:1], tick.k_state, tick.v_state, tick.position, tick.refreshed)
+        return chunk
 
     def _admit(self, embeds: torch.Tensor, scene_cut: bool, check: Check | None) -> int:
         c = self.config
@@ -528,13 +530,24 @@ class MultiRatePolicy:
                         Segment(k_s[layer], v_s[layer], None)]
 
             bins = self._decode_queries(prefix, check)
-        return self._commit_tick(slot, x, k_s, v_s, position, bins, refreshed)
+        chunk = self._tick_chunk(bins, k_s, v_s, position, refreshed)
+        self._commit_tick(slot, x, k_s, v_s, position, refreshed)
+        return chunk
+
+    def _tick_chunk(self, bins: np.ndarray, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,
+                    refreshed: tuple | None) -> ActionChunk:
+        """The chunk of `bins` and self._logits, and every write of the tick's commit checked (a non-finite K/V
+        raises here): all that can fail, before anything is committed."""
+        if refreshed is not None:
+            self.action.check_tokens(refreshed[1], refreshed[2], refreshed[3], 0)
+        self.action.check_tokens(k_s, v_s, position, 0)
+        logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
+        return ActionChunk(self.bins.to_values(bins), bins, logits)
 
     def _commit_tick(self, slot: int, x: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,
-                     bins: np.ndarray, refreshed: tuple | None) -> ActionChunk:
-        """A tick's commit: the state token x [1, hidden] (K/V [L, KV, 1, hd]) into its ring slot, the other states
-        recomputed in its block (`refreshed`: slots, K, V, positions) where they were stale; the chunk of `bins`
-        and self._logits."""
+                     refreshed: tuple | None) -> None:
+        """A tick's commit (after _tick_chunk): the state token x [1, hidden] (K/V [L, KV, 1, hd]) into its ring
+        slot, the other states recomputed in its block (`refreshed`: slots, K, V, positions) where they were stale."""
         if refreshed is not None:  # the other states, recomputed in the tick's block
             self.action.write(*refreshed, 0)
             self._states_stale = False
@@ -544,8 +557,6 @@ class MultiRatePolicy:
         if self._track_importance:
             for i, imp in enumerate(self._importance):
                 self.vision.add_importance(None, imp, segment=i)
-        logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
-        return ActionChunk(self.bins.to_values(bins), bins, logits)
 
     def _tick_bins(self, hidden: torch.Tensor) -> np.ndarray:
         """The action queries' final hidden states [H*D, hidden] -> logits into self._logits; returns bins [H, D]."""
@@ -554,8 +565,8 @@ class MultiRatePolicy:
 
     def _tick_rows(self, state) -> "_TickRows":
         """The tick with `state` as rows of its frame's decoder pass: _fused_tick's block (the new state | the other
-        stored states, recomputed: the frame changes them | the queries), attending to the text, the frame's K/V as
-        the vision partition will store them, and itself."""
+        stored states, recomputed: the frame changes them | the queries), attending to the text, the frame's K/V
+        (as float storage keeps them; as computed, with INT8 storage) and itself."""
         c, m = self.config, self.model
         s = check_state(state, c.state_dim).to(self.device, self.dtype)
         slot = self.state_count % c.state_slots

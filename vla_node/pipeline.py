@@ -149,8 +149,9 @@ class Pipeline:
                 continue
             for i, frame in enumerate(frames):
                 timed(prefix + "text", lambda: policy.update_text(self.config.model.instruction), i == 0)
-                timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * c.num_cameras)),
-                      i == 0)
+                images = policy.prepare_frames([frame] * c.num_cameras)
+                # the vision stage as the node's frames run it: with their tick, where the policy can
+                timed(prefix + "vision", lambda: policy.update_vision(images, state=self.state), i == 0)
                 timed(prefix + "action", lambda: policy.action_tick(self.state), i == 0)
         self.instruction = self.config.model.instruction
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True,
@@ -218,6 +219,7 @@ class Pipeline:
         if plan.run_action:
             if update is not None and update.chunk is not None:  # the tick ran in the frame's vision pass
                 chunk = update.chunk
+                self.delay.apply("action")
                 budget.done_within("action", "vision")
             else:
                 chunk = run("action", lambda check: policy.action_tick(self.state, check))
@@ -235,9 +237,12 @@ class Pipeline:
     def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
         """The vision stage: resize to the model input, plan reuse, update; the gates commit with it. When the
         action stage follows, its tick is handed to the update (it decodes it in the frame's pass where it can;
-        its budget stays reserved for a stage that stops halfway)."""
+        its budget stays reserved for a stage that stops halfway), except on the frames where the scheduler wants
+        the action stage's cost measured on its own."""
         c = policy.config
-        state = self.state if plan.run_action else None
+        state = None
+        if plan.run_action and not self.scheduler.wants_action_sample(plan, self.clock()):
+            state = self.state
         if policy is self.small or plan.instruction_changed:
             # the smaller engine's cache is not kept frame by frame, and a new instruction invalidates
             # every cached vision token: a full refresh either way

@@ -315,6 +315,17 @@ class Scheduler:
     def _estimate(self, key: str) -> int:
         return self.costs.estimate(key, self._prior_scale[key])
 
+    def wants_action_sample(self, plan: FramePlan, now_ns: int) -> bool:
+        """Whether the planned action stage should run on its own this frame, so that its cost is measured: its
+        key has no sample from the last cost_max_age_ms / 2. A tick decoded inside the frame's vision pass is no
+        sample of the action stage (its time is in the vision stage's), and without samples the action estimate
+        and the load factor would stop following the machine."""
+        key = plan.cost_keys[2]
+        if key is None:
+            return False
+        stamp = self._last_sample_ns[key]
+        return stamp is None or now_ns - stamp >= self._cost_max_age_ns // 2
+
     @property
     def load_factor(self) -> float:
         """Measured / prior cost of the most recently sampled action stage (1.0 without a recent sample)."""

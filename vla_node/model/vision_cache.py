@@ -341,7 +341,8 @@ class FrameTokenCache:
         all, which is required when the cache holds nothing for `context`); text(layer) the text partition's
         Segment. Stages every layer's K/V (staged_k, staged_v) and the cache's new state. `check` as in the
         policy's blocks (raises VisionStageAborted). `extra`: rows decoded in the same matmuls (at most the
-        extra_rows given at construction); they change nothing in the cache."""
+        extra_rows given at construction); they stage nothing, and the frame's results are those of a run without
+        them up to float rounding (a matmul over a few rows plus theirs may round differently)."""
         from vla_node.kv.attention import Segment, segmented_attention
         from vla_node.model.decoder import apply_rope
 
