@@ -153,3 +153,23 @@ def test_the_fused_qkv_projection_equals_the_three_projections_bit_for_bit(rows)
         assert a.shape == b.shape and torch.equal(a, b)
     clone = copy.deepcopy(model)  # the copy's fused projection packs the copy's weights
     assert clone.decoder.model.layers[1].self_attn.__dict__["qkv"]._parts[0] is clone.decoder.model.layers[1].self_attn.q_proj
+
+
+@needs_packed
+def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_bit_for_bit():
+    """FrameTokenCache's full run takes every row's query from the one q|k|v matmul."""
+    config = preset("tiny").replace(image_size=64)
+    frame = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    state = np.ones(config.state_dim, np.float32)
+    results = []
+    for fused in (True, False):
+        model = use_packed_weights(build_vla(config, seed=4).to(torch.bfloat16))
+        if not fused:
+            for layer in model.decoder.model.layers:
+                del layer.self_attn.__dict__["qkv"]
+        policy = MultiRatePolicy(model, CacheConfig(), torch.bfloat16)
+        policy.update_text("go")
+        chunk = policy.update_vision(policy.prepare_frames([frame]), state=state).chunk
+        results.append((chunk.logits, policy._frame_tokens.k.clone(), policy._frame_tokens.q.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

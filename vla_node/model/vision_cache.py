@@ -369,8 +369,17 @@ class FrameTokenCache:
                 raise VisionStageAborted(f"stopped before decoder layer {i}")
             a = layer.self_attn
             h = layer.input_layernorm(xa)  # [T + n_extra, hidden]
-            k = apply_rope(a.k_proj(h).reshape(-1, KV, hd).transpose(0, 1), cos, sin)  # -> [KV, T + n_extra, hd]
-            v = a.v_proj(h).reshape(-1, KV, hd).transpose(0, 1)
+            # a full run below the last layer computes every row's query too: with packed weights' one q|k|v
+            # matmul (packed_weights.PackedQKV), q and k take one RoPE call
+            qkv = a.__dict__.get("qkv") if tokens is None and i < n_layers - 1 else None
+            q_all = None
+            if qkv is not None:
+                heads = qkv(h).reshape(-1, H + 2 * KV, hd).transpose(0, 1)  # -> [H + 2 KV, T + n_extra, hd]
+                qk = apply_rope(heads[: H + KV], cos, sin)
+                q_all, k, v = qk[:H], qk[H:], heads[H + KV :]
+            else:
+                k = apply_rope(a.k_proj(h).reshape(-1, KV, hd).transpose(0, 1), cos, sin)  # -> [KV, T + n_extra, hd]
+                v = a.v_proj(h).reshape(-1, KV, hd).transpose(0, 1)
             s["k"][i].copy_(k[:, :T])
             s["v"][i].copy_(v[:, :T])
             if extra is not None:
@@ -393,9 +402,12 @@ class FrameTokenCache:
             sq = s["q"][i]
             # queries of the recomputed rows and the extra rows, one matmul: [H, n + n_extra, hd]
             picked = None if full else torch.cat([rows, extra_index])  # rows of xa
-            q = a.q_proj(h if picked is None else h.index_select(0, picked)).reshape(-1, H, hd).transpose(0, 1)
-            q = apply_rope(q, cos if picked is None else cos.index_select(0, picked),
-                           sin if picked is None else sin.index_select(0, picked))
+            if q_all is not None:  # (a full run: every row)
+                q = q_all
+            else:
+                q = a.q_proj(h if picked is None else h.index_select(0, picked)).reshape(-1, H, hd).transpose(0, 1)
+                q = apply_rope(q, cos if picked is None else cos.index_select(0, picked),
+                               sin if picked is None else sin.index_select(0, picked))
             q_extra = q[:, n:]
             if full:
                 sq.copy_(q[:, :T])
