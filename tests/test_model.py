@@ -110,3 +110,23 @@ def test_preset_errors_are_clear():
             ModelConfig(**{key: value})
     with pytest.raises(ConfigError, match=r"model.action_low\[0\] = -inf: expected a finite number"):
         ModelConfig(action_low=(float("-inf"), -1.0))
+
+
+def test_rms_norm_is_hf_llamas():
+    """fp32: bit for bit; bf16: one rounding instead of HF's two (at most a bf16 step apart); a weight in another
+    dtype than the input: HF's form exactly."""
+    from vla_node.model.decoder import RMSNorm
+
+    def hf(norm, x):
+        x32 = x.float()
+        return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+
+    norm = RMSNorm(64, 1e-6)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    x = torch.randn(17, 64) * 3
+    assert torch.equal(norm(x), hf(norm, x))
+    mixed = norm(x.bfloat16())  # fp32 weight, bf16 input
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, hf(norm, x.bfloat16()))
+    norm = norm.to(torch.bfloat16)
+    ours, theirs = norm(x.bfloat16()).float(), hf(norm, x.bfloat16()).float()
+    assert ((ours - theirs).abs() <= theirs.abs() * 2.0**-7 + 1e-6).all()

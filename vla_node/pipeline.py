@@ -149,9 +149,10 @@ class Pipeline:
                 continue
             for i, frame in enumerate(frames):
                 timed(prefix + "text", lambda: policy.update_text(self.config.model.instruction), i == 0)
-                images = policy.prepare_frames([frame] * c.num_cameras)
-                # the vision stage as the node's frames run it: with their tick, where the policy can
-                timed(prefix + "vision", lambda: policy.update_vision(images, state=self.state), i == 0)
+                # the vision stage as the node's frames run it: resize, then the update with their tick, where the
+                # policy can
+                timed(prefix + "vision", lambda: policy.update_vision(
+                    policy.prepare_frames([frame] * c.num_cameras), state=self.state), i == 0)
                 timed(prefix + "action", lambda: policy.action_tick(self.state), i == 0)
         self.instruction = self.config.model.instruction
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True,

@@ -319,7 +319,8 @@ class Scheduler:
         """Whether the planned action stage should run on its own this frame, so that its cost is measured: its
         key has no sample from the last cost_max_age_ms / 2. A tick decoded inside the frame's vision pass is no
         sample of the action stage (its time is in the vision stage's), and without samples the action estimate
-        and the load factor would stop following the machine."""
+        and the load factor would stop following the machine. (With cost_max_age_ms at or below two frame periods
+        every frame measures it, and no tick joins its frame.)"""
         key = plan.cost_keys[2]
         if key is None:
             return False
