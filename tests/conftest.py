@@ -1,22 +1,29 @@
-import os
+"""Four tiers, one folder each; the folder sets the marker (unit, backend, node, drives)."""
+
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.paths import DRIVES_DIR
+
 # The machine is shared and small: keep each test process to one intra-op thread so parallel test
 # processes do not oversubscribe the cores.
 torch.set_num_threads(1)
 
+TIERS = ("unit", "backend", "node", "drives")
 
-def drives_path() -> Path:
-    env = os.environ.get("VLA_NODE_DRIVES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "drives"
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(item.path).parent.name
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
 def drives_dir() -> Path:
-    path = drives_path()
-    if not path.is_dir() or not list(path.glob("*.mp4")):
-        pytest.skip(f"real drives not found at {path} (set VLA_NODE_DRIVES to the folder of dashcam clips)")
-    return path
+    if not DRIVES_DIR.is_dir() or not list(DRIVES_DIR.glob("*.mp4")):
+        pytest.skip(f"real drives not found at {DRIVES_DIR} (set VLA_NODE_DRIVES to the folder of dashcam clips)")
+    return DRIVES_DIR

@@ -16,7 +16,9 @@ log = logging.getLogger("vla_node")
 
 
 def cmd_init(args) -> int:
-    from vla_node.model import build_vla, preset, save_checkpoint
+    from vla_node.model.vla import build_vla
+    from vla_node.model.config import preset
+    from vla_node.model.checkpoint import save_checkpoint
 
     model = build_vla(preset(args.preset), seed=args.seed)
     path = save_checkpoint(model, args.out)
@@ -25,44 +27,39 @@ def cmd_init(args) -> int:
     return 0
 
 
-# the flags each bench takes (the others are refused, not silently ignored)
-BENCH_FLAGS = {"model": ("iters", "threads"), "cache": ("iters", "threads", "compute_dtype", "weights"),
-               "node": ("seconds",), "reuse": ("threads", "weights")}
+def given(args, *names: str) -> dict:
+    """The flags the user gave (not None), as keyword arguments: every default is the called function's own."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def cmd_bench(args) -> int:
-    for flag in ("iters", "threads", "seconds", "compute_dtype", "weights"):
-        if getattr(args, flag) is not None and flag not in BENCH_FLAGS[args.what]:
-            takes = ", ".join("--" + f.replace("_", "-") for f in BENCH_FLAGS[args.what])
-            raise ConfigError(f"bench {args.what}: --{flag.replace('_', '-')} does not apply (it takes {takes})")
-    iters = 5 if args.iters is None else args.iters
-    threads = 1 if args.threads is None else args.threads
     if args.what == "model":
-        from vla_node import bench_model
+        from vla_node.bench import model
 
-        bench_model.run(args.preset, iters=iters, threads=threads, json_path=args.json)
+        model.run(args.preset, json_path=args.json, **given(args, "iters", "threads"))
     elif args.what == "cache":
-        from vla_node import bench_cache
+        from vla_node.bench import cache
 
-        bench_cache.run(args.preset, iters=iters, threads=threads, json_path=args.json, weights=args.weights,
-                        compute_dtype=args.compute_dtype or "fp32")
+        cache.run(args.preset, json_path=args.json, **given(args, "iters", "threads", "compute_dtype", "weights"))
     elif args.what == "node":
-        from vla_node import bench_node
+        from vla_node.bench import node
 
-        bench_node.run(args.preset, seconds=60.0 if args.seconds is None else args.seconds, json_path=args.json)
+        node.run(args.preset, json_path=args.json, **given(args, "seconds", "launch"))
+    elif args.what == "attention":
+        from vla_node.bench import attention
+
+        attention.run(json_path=args.json, **given(args, "threads"))
     else:
-        from vla_node import bench_reuse
+        from vla_node.bench import reuse
 
-        if not args.drives:
-            raise ConfigError("bench reuse: expected one or more DRIVE arguments (mp4 files or drives)")
-        if args.weights == "packed":
-            raise ConfigError("bench reuse: --weights packed does not apply (it takes fp16 or fp32)")
-        bench_reuse.run(args.drives, preset=args.preset, threads=threads, json_path=args.json, weights=args.weights)
+        reuse.run(args.drives, preset=args.preset, json_path=args.json,
+                  **given(args, "thresholds", "rates", "max_frames", "cache", "pixel_floor", "weights", "layer_budget",
+                          "shared_drift_samples", "max_age", "threads"))
     return 0
 
 
 def cmd_report_compare(args) -> int:
-    from vla_node.report import compare_reports, load_report
+    from vla_node.report.report import compare_reports, load_report
 
     text, regressed = compare_reports(load_report(args.a), load_report(args.b), args.max_regression)
     print(text)
@@ -76,21 +73,21 @@ def launch_config(args):
     from vla_node.config import default_launch, load_launch
 
     config = load_launch(args.launch or default_launch())
-    overrides = {k: getattr(args, k) for k in ("frames", "commands", "actions", "health") if getattr(args, k, None)}
+    overrides = addresses(args)
     if overrides:
         config = config.replace(transport=dataclasses.replace(config.transport, **overrides))
     return config
 
 
 def cmd_run(args) -> int:
-    from vla_node.node import Node
+    from vla_node.node.node import Node
 
     config = launch_config(args)
     return Node(config).run()
 
 
 def cmd_keys(args) -> int:
-    from vla_node.keys import create_keys
+    from vla_node.wire.keys import create_keys
 
     paths = create_keys(args.out)
     print(f"wrote CURVE keys to {args.out}: {paths}")
@@ -98,12 +95,41 @@ def cmd_keys(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from vla_node.convert import convert_video
+    from vla_node.drives.convert import convert_video
 
     size = parse_size(args.size) if args.size else None
     summary = convert_video(args.video, args.out, fps=args.fps, size=size, encoding=args.encoding, camera=args.camera)
     print(f"wrote {args.out}: {summary.frames} frames, {summary.duration_s:.2f} s, {summary.bytes / 1e6:.1f} MB")
     return 0
+
+
+def cmd_replay(args) -> int:
+    from vla_node.drives.replay import replay
+
+    replay(args.drive, args.launch, connect=args.connect, rate=args.rate, as_fast_as_possible=args.as_fast_as_possible,
+           loop=args.loop, topic=args.topic, out_dir=args.out, progress=not args.no_progress,
+           addresses=addresses(args), **given(args, "warmup_timeout_s"))
+    return 0
+
+
+def cmd_record(args) -> int:
+    from vla_node.drives.record import record
+
+    record(args.launch, args.out, args.duration, addresses(args), progress=not args.no_progress)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from vla_node.drives.demo import demo
+
+    demo(args.out, launch=args.launch, progress=not args.no_progress, **given(args, "seconds"))
+    return 0
+
+
+def addresses(args) -> dict | None:
+    """The command line's address overrides, or None."""
+    overrides = {k: getattr(args, k) for k in ("frames", "commands", "actions", "health") if getattr(args, k)}
+    return overrides or None
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -125,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vla-node", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_node_commands(sub)
+    add_drive_commands(sub)
+    add_bench_commands(sub)
+    return parser
 
+
+def add_node_commands(sub) -> None:
+    """init, run, keys, convert."""
     p = sub.add_parser("init", help="write a randomly initialised checkpoint directory")
     p.add_argument("--preset", default="small", help="tiny | small | base")
     p.add_argument("--seed", type=int, default=0)
@@ -150,19 +183,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--camera", default="front")
     p.set_defaults(func=cmd_convert)
 
-    from vla_node import demo, record, replay
 
+def add_drive_commands(sub) -> None:
+    """replay, record, demo, report compare."""
     p = sub.add_parser("replay", help="replay a drive through the node and write a latency report")
-    replay.add_replay_arguments(p)
-    p.set_defaults(func=replay.replay_command)
+    p.add_argument("drive", help="native drive (.mcap), ROS 2 bag (.mcap) or video file (.mp4)")
+    p.add_argument("--launch", help="launch file (default launch/cpu.toml)")
+    p.add_argument("--connect", action="store_true",
+                   help="use the node already running at the launch file's addresses instead of starting one")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--rate", type=float, default=1.0, help="recorded timing x RATE (default 1.0)")
+    pace.add_argument("--as-fast-as-possible", action="store_true",
+                      help="closed loop: send the next frame once the node answered the previous one")
+    p.add_argument("--loop", type=int, default=1, help="play the drive N times (default 1)")
+    p.add_argument("--topic", help="replay one camera: its topic or camera name")
+    p.add_argument("--out", default="out/replay", help="report directory (default out/replay)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--warmup-timeout", dest="warmup_timeout_s", type=float,
+                   help="seconds to wait for the node to answer (default 300: a cold model on a busy small CPU)")
+    add_address_options(p)
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("record", help="record a running node's frames, commands, actions and health")
-    record.add_record_arguments(p)
-    p.set_defaults(func=record.record_command)
+    p.add_argument("--launch", help="launch file whose addresses are recorded (default launch/cpu.toml)")
+    p.add_argument("--out", required=True, help="native drive (.mcap) to write; must not exist")
+    p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    add_address_options(p)
+    p.set_defaults(func=cmd_record)
 
     p = sub.add_parser("demo", help="replay a synthetic drive through the node and write its report")
-    demo.add_demo_arguments(p)
-    p.set_defaults(func=demo.demo_command)
+    p.add_argument("--out", default="out/demo", help="output directory (default out/demo)")
+    p.add_argument("--seconds", type=float, help="length of the synthetic drive (default 20)")
+    p.add_argument("--launch", help="launch file (default launch/cpu.toml)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("report", help="work with latency reports")
     report_sub = p.add_subparsers(dest="report_command", required=True)
@@ -172,32 +227,75 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-regression", type=float, default=10.0, help="allowed p99 / misses growth in %%")
     q.set_defaults(func=cmd_report_compare)
 
+
+def add_bench_commands(sub) -> None:
+    """bench model | cache | node | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
-    p.add_argument("what", choices=["model", "cache", "node", "reuse"])
-    p.add_argument("drives", nargs="*", help="bench reuse: mp4 files or drives")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--iters", type=int, default=None, help="bench model and cache: timed rounds (default 5)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="bench model, cache and reuse: torch threads (default 1: no OpenMP spin on small CPUs)")
-    p.add_argument("--seconds", type=float, default=None, help="bench node: run length (default 60)")
-    p.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"], default=None,
-                   help="bench cache: compute dtype (default fp32, as launch/cpu.toml; auto: bf16 where the CPU has "
-                        "bf16 hardware)")
-    p.add_argument("--weights", choices=["fp16", "fp32", "packed"], default=None,
-                   help="bench cache and reuse: linear weights (default fp16 where fbgemm exists, as launch/cpu.toml; "
-                        "bench cache with bf16 compute: packed where the CPU has bf16 hardware)")
-    p.add_argument("--json", help="also write the figures to this JSON file")
-    p.set_defaults(func=cmd_bench)
-    return parser
+    bench = p.add_subparsers(dest="what", required=True)
+    q = bench_parser(bench, "model", "our cached policy against the reference and transformers' generate")
+    q.add_argument("--iters", type=int, help="timed rounds (default 5)")
+    add_threads(q)
+    q = bench_parser(bench, "cache", "the multi-rate cache's stages, INT8 vision KV, attention modes")
+    q.add_argument("--iters", type=int, help="timed rounds after one warm-up round (default 5)")
+    add_threads(q)
+    q.add_argument("--compute-dtype", choices=["auto", "fp32", "bf16"],
+                   help="compute dtype (default fp32, as launch/cpu.toml; auto: bf16 where the CPU has bf16 hardware)")
+    q.add_argument("--weights", choices=["fp16", "fp32", "packed"],
+                   help="linear weights (default: fp16 with fp32 compute where fbgemm exists, packed with bf16 compute "
+                        "where the CPU has bf16 hardware, else plain)")
+    q = bench_parser(bench, "node", "the node over real loopback ZeroMQ against its latency targets")
+    q.add_argument("--seconds", type=float, help="measured run length (default 60)")
+    q.add_argument("--launch", help="launch file instead of launch/cpu.toml (its own preset applies)")
+    q = bench_parser(bench, "attention", "segmented against gathered attention over the partitions")
+    add_threads(q)
+    q = bench_parser(bench, "reuse", "vision-token reuse on real clips: reuse ratio, time saved, action deviation")
+    q.add_argument("drives", nargs="+", help="mp4 files or drives")
+    q.add_argument("--thresholds", type=float, nargs="+", help="gate thresholds (default 0 2 4 8 16)")
+    q.add_argument("--rates", type=number_or_native, nargs="+",
+                   help="'native' and/or frame rates in Hz (default native 10)")
+    q.add_argument("--max-frames", type=int, help="frames per clip and rate (default 12; 0 = all)")
+    q.add_argument("--cache", choices=["default", "exact"],
+                   help="default: text bf16, vision int8 (what the node runs); exact: all fp32")
+    q.add_argument("--pixel-floor", action="store_true", default=None,
+                   help="also run the reference on each gate's reference picture")
+    q.add_argument("--weights", choices=["fp16", "fp32"],
+                   help="linear weights of every run, the reference's too (default fp16 where fbgemm exists)")
+    q.add_argument("--layer-budget", type=float,
+                   help="reuse.layer_budget of every reuse run (per layer this many times the gate's tokens are "
+                        "recomputed: the most drifted too; default off)")
+    q.add_argument("--shared-drift-samples", type=int,
+                   help="reuse.shared_drift_samples (reused tokens sampled per layer; 0 = off; default the launch "
+                        "default)")
+    q.add_argument("--max-age", type=int, help="reuse.max_age (changing frames a patch may be reused; 0 = off)")
+    add_threads(q)
+
+
+def bench_parser(bench, name: str, help_text: str) -> argparse.ArgumentParser:
+    q = bench.add_parser(name, help=help_text)
+    q.add_argument("--preset", default="small", help="model preset (default small)")
+    q.add_argument("--json", help="also write the figures to this JSON file")
+    q.set_defaults(func=cmd_bench)
+    return q
+
+
+def add_threads(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--threads", type=int, help="torch intra-op threads (default 1: no OpenMP spin on small CPUs)")
+
+
+def number_or_native(text: str) -> str | float:
+    try:
+        return "native" if text == "native" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'native' or a rate in Hz") from None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's (bad file, bad value): one line, exit 2, no traceback."""
-    from vla_node.drive import DriveError
+    from vla_node.drives.open import DriveError
     from vla_node.model.checkpoint import CheckpointError
     from vla_node.model.tokenizer import TokenizerError
-    from vla_node.node_process import NodeProcessError
-    from vla_node.report import ReportError
+    from vla_node.node.process import NodeProcessError
+    from vla_node.report.report import ReportError
 
     return (ConfigError, CheckpointError, DriveError, ReportError, TokenizerError, NodeProcessError, FileNotFoundError,
             FileExistsError, PermissionError, IsADirectoryError)

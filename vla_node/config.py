@@ -7,19 +7,18 @@ allowed, an unknown key with a did-you-mean.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vla_node.model.config import PRESETS, ModelConfig
-from vla_node.multirate import CacheConfig
-from vla_node.protocol import CameraSpec, ProtocolLimits
-from vla_node.reuse import ReuseConfig
-from vla_node.scheduler import SchedulerConfig
-from vla_node.transport import TransportConfig
-from vla_node.validate import ConfigError, choose, from_dict, require
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.wire.protocol import CameraSpec, ProtocolLimits
+from vla_node.runtime.reuse import ReuseConfig
+from vla_node.sched.scheduler import SchedulerConfig
+from vla_node.wire.transport import TransportConfig
+from vla_node.validate import ConfigError, choose, from_dict, is_number, require
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"
@@ -50,7 +49,7 @@ class ModelSection:
         require(self.weights in ("fp32", "fp16", "packed", "auto"), "model.weights", self.weights,
                 "'fp32', 'fp16', 'packed' or 'auto'")
         if self.weights == "fp16":
-            from vla_node.model.fp16_weights import fp16_weights_available
+            from vla_node.backends.fp16_weights import fp16_weights_available
 
             require(self.resolved_dtype == "fp32" and self.device == "cpu", "model.weights", self.weights,
                     f"'fp32' with dtype {self.resolved_dtype!r} on {self.device!r} (fp16 weights take fp32 compute on "
@@ -58,7 +57,7 @@ class ModelSection:
             require(fp16_weights_available(), "model.weights", self.weights,
                     "'fp32' here: fp16 weights need torch's fbgemm backend (x86-64 CPUs)")
         if self.weights == "packed":
-            from vla_node.model.packed_weights import packed_weights_available
+            from vla_node.backends.packed_weights import packed_weights_available
 
             require(self.resolved_dtype == "bf16" and self.device == "cpu", "model.weights", self.weights,
                     f"'fp32' with dtype {self.resolved_dtype!r} on {self.device!r} (packed weights take bf16 compute "
@@ -78,7 +77,7 @@ class ModelSection:
         (AVX512-BF16, AMX), else fp32."""
         if self.dtype != "auto":
             return self.dtype
-        from vla_node.model.fp16_weights import cpu_has_bf16
+        from vla_node.backends.fp16_weights import cpu_has_bf16
 
         return "bf16" if self.device != "cpu" or cpu_has_bf16() else "fp32"
 
@@ -91,14 +90,23 @@ class ModelSection:
         dtype = self.resolved_dtype
         if self.weights != "auto" or self.device != "cpu":
             return dtype
-        from vla_node.model.fp16_weights import fp16_weights_available
-        from vla_node.model.packed_weights import packed_weights_available
+        from vla_node.backends.fp16_weights import fp16_weights_available
+        from vla_node.backends.packed_weights import packed_weights_available
 
         if dtype == "fp32" and fp16_weights_available():
             return "fp16"
         if dtype == "bf16" and packed_weights_available():
             return "packed"
         return dtype
+
+    @property
+    def weight_format(self) -> str:
+        """How load_model stores the linear weights: 'fp16' (fbgemm's, fp32 compute), 'packed' (oneDNN bf16) or
+        'plain' (in the compute dtype)."""
+        weights = self.resolved_weights
+        if weights == "packed" or (weights == "fp16" and self.resolved_dtype == "fp32"):
+            return weights
+        return "plain"
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:
@@ -111,21 +119,6 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
-class CameraConfig:
-    """A camera the node accepts (topic frame/<name>); frames of any size up to the maximum are resized."""
-
-    name: str = "front"
-    max_width: int = 1920
-    max_height: int = 1080
-
-    def __post_init__(self) -> None:
-        CameraSpec(self.name, self.max_width, self.max_height)  # validates
-
-    def spec(self) -> CameraSpec:
-        return CameraSpec(self.name, self.max_width, self.max_height)
-
-
-@dataclass(frozen=True)
 class HealthConfig:
     period_s: float = 1.0  # health topic period
     camera_timeout_ms: float = 500.0  # a camera with no frame for this long is not alive
@@ -134,7 +127,7 @@ class HealthConfig:
     def __post_init__(self) -> None:
         for key in ("period_s", "camera_timeout_ms", "min_camera_hz"):
             value = getattr(self, key)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            require(is_number(value)
                     and value > 0, f"health.{key}", value, "a finite number > 0")
 
 
@@ -159,7 +152,7 @@ class NodeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     limits: ProtocolLimits = field(default_factory=ProtocolLimits)
-    cameras: tuple[CameraConfig, ...] = (CameraConfig(),)
+    cameras: tuple[CameraSpec, ...] = (CameraSpec(),)
     health: HealthConfig = field(default_factory=HealthConfig)
     realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Mapping, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -21,15 +24,28 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
         raise ConfigError(f"{key} = {value!r}: expected {expected}")
 
 
+def is_int(value: object) -> bool:
+    """A count: a Python or numpy integer, not a bool (nor a numpy bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: object, finite: bool = True) -> bool:
+    """A Python or numpy real number, not a bool (nor a numpy bool); finite unless `finite=False`."""
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
+        return False
+    return not finite or math.isfinite(value)
+
+
 def did_you_mean(name: str, options: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def choose(key: str, name: str, options: Mapping[str, T]) -> T:
-    """Look up a named preset or option; unknown names fail with the allowed ones and a did-you-mean."""
-    if name in options:
-        return options[name]
+def choose(key: str, name: str, options: Mapping[str, T] | typing.Collection[str]) -> T | str:
+    """Look up a named preset or option (a mapping: its value; a collection of names: the name); unknown names fail
+    with the allowed ones and a did-you-mean."""
+    if isinstance(name, str) and name in options:
+        return options[name] if isinstance(options, Mapping) else name
     raise ConfigError(
         f"{key} = {name!r}: expected one of {sorted(options)}{did_you_mean(name, options)}"
     )

@@ -250,23 +250,6 @@ def dense_attention(
     return p @ vr
 
 
-def concat_segments(segments: Sequence[Sequence], q_len: int) -> Segment:
-    """One segment equal to the concatenation of `segments` (masks/biases expanded to [q_len, L]);
-    for the oracle and tests."""
-    segs = [_as_segment(s) for s in segments]
-    k = torch.cat([s.k for s in segs], dim=1)  # [n_kv_heads, sum L, D]
-    v = torch.cat([s.v for s in segs], dim=1)
-    masks, biases = [], []
-    for s in segs:
-        length = s.k.shape[1]
-        m = s.mask if s.mask is not None else torch.ones(length, dtype=torch.bool, device=s.k.device)
-        masks.append(m.expand(q_len, length))
-        b = s.bias if s.bias is not None else torch.zeros(length, device=s.k.device)
-        biases.append(b.float().expand(q_len, length))
-    any_bias = any(s.bias is not None for s in segs)
-    return Segment(k, v, torch.cat(masks, dim=1), torch.cat(biases, dim=1) if any_bias else None)
-
-
 def attention_mass(q: torch.Tensor, segment: Sequence, lse: torch.Tensor) -> torch.Tensor:
     """Attention probability each key of `segment` received, summed over heads and query rows: fp32 [L].
 

@@ -8,27 +8,16 @@ then to the lower slot, so every decision is deterministic.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Sequence
 
 import torch
+
+from vla_node.kv.vision_config import quota_for_age
 
 
 def window_evictions(valid: torch.Tensor, frame_id: torch.Tensor, oldest_kept: int) -> torch.Tensor:
     """Slots of frames older than `oldest_kept` (the oldest frame id still inside the window)."""
     return valid & (frame_id < oldest_kept)
-
-
-def frame_ages(frame_id: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-    """Age of each slot's frame: how many admitted frames in `history` are newer (incoming frame = 0)."""
-    hist = torch.tensor(list(history), dtype=torch.int64, device=frame_id.device)
-    return len(history) - torch.searchsorted(hist, frame_id, right=True)
-
-
-def quota_for_age(age: int, tokens_per_frame: int, decay: float, minimum: int) -> int:
-    """PackCache quota: tokens kept for a frame of this age, floor(tpf * decay^age), never below `minimum`."""
-    decayed = math.floor(tokens_per_frame * decay**age + 1e-9)
-    return max(min(minimum, tokens_per_frame), min(decayed, tokens_per_frame))
 
 
 def _rank_lowest_first(candidates: torch.Tensor, importance: torch.Tensor, frame_id: torch.Tensor) -> torch.Tensor:

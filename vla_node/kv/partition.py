@@ -15,16 +15,12 @@ from typing import Any
 
 import torch
 
-from vla_node.kv import quant
-from vla_node.validate import choose, require
+from vla_node.kv import dtypes, quant
+from vla_node.kv.dtypes import torch_dtypes
+from vla_node.validate import choose, is_int, require
 
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "int8": torch.int8,
-}
-SCALE_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "fp32": torch.float32}
+STORAGE_DTYPES = torch_dtypes(dtypes.STORAGE_DTYPES)
+SCALE_DTYPES = torch_dtypes(dtypes.SCALE_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +44,7 @@ class PartitionSpec:
         choose(f"{p}.scale_dtype", self.scale_dtype, SCALE_DTYPES)
         for key in ("capacity", "n_layers", "n_kv_heads", "head_dim", "key_group"):
             value = getattr(self, key)
-            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"{p}.{key}", value,
+            require(is_int(value) and value > 0, f"{p}.{key}", value,
                     "a positive integer")
 
     @property

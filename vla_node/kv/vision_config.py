@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from vla_node.kv.eviction import quota_for_age
-from vla_node.kv.partition import STORAGE_DTYPES
-from vla_node.validate import choose, require
+from vla_node.kv.dtypes import STORAGE_DTYPES
+from vla_node.validate import choose, is_int, is_number, require
 
 POLICIES: dict[str, str] = {
     "fifo": "evict whole oldest frames; W frames kept",
@@ -18,12 +18,14 @@ POLICIES: dict[str, str] = {
 HOT_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _positive_int(key: str, value: object) -> None:
-    require(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value, "a positive integer")
+    require(is_int(value) and value > 0, key, value, "a positive integer")
+
+
+def quota_for_age(age: int, tokens_per_frame: int, decay: float, minimum: int) -> int:
+    """PackCache quota: tokens kept for a frame of this age, floor(tpf * decay^age), never below `minimum`."""
+    decayed = math.floor(tokens_per_frame * decay**age + 1e-9)
+    return max(min(minimum, tokens_per_frame), min(decayed, tokens_per_frame))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +72,18 @@ class VisionMemoryConfig:
             if getattr(self, key) is not None:
                 _positive_int(key, getattr(self, key))
         _positive_int("key_group", self.key_group)
-        require(_number(self.quota_decay) and 0.0 < self.quota_decay <= 1.0, "quota_decay",
+        require(is_number(self.quota_decay) and 0.0 < self.quota_decay <= 1.0, "quota_decay",
                 self.quota_decay, "a number in (0, 1]")
-        require(isinstance(self.quota_min_tokens, int) and not isinstance(self.quota_min_tokens, bool)
+        require(is_int(self.quota_min_tokens)
                 and self.quota_min_tokens >= 0, "quota_min_tokens", self.quota_min_tokens,
                 "an integer >= 0 (capped at tokens_per_frame)")
-        require(_number(self.merge_threshold) and -1.0 <= self.merge_threshold <= 1.0, "merge_threshold",
+        require(is_number(self.merge_threshold) and -1.0 <= self.merge_threshold <= 1.0, "merge_threshold",
                 self.merge_threshold, "a cosine similarity in [-1, 1]")
         require(self.merge_layer is None or (isinstance(self.merge_layer, int) and self.merge_layer >= 0),
                 "merge_layer", self.merge_layer, "none (average over layers) or a layer index >= 0")
-        require(isinstance(self.h2o_protect_frames, int) and not isinstance(self.h2o_protect_frames, bool)
+        require(is_int(self.h2o_protect_frames)
                 and self.h2o_protect_frames >= 0, "h2o_protect_frames", self.h2o_protect_frames, "an integer >= 0")
-        require(_number(self.importance_decay) and 0.0 < self.importance_decay <= 1.0,
+        require(is_number(self.importance_decay) and 0.0 < self.importance_decay <= 1.0,
                 "importance_decay", self.importance_decay, "a number in (0, 1]")
         if self.hot_tokens is not None:
             _positive_int("hot_tokens", self.hot_tokens)

@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vla_node.kv import dtypes
 from vla_node.kv.attention import Segment
+from vla_node.kv.dtypes import torch_dtypes
 from vla_node.kv.eviction import (
     h2o_evictions,
     key_cosine,
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 COLD_TIER = 0  # tier id written into partition.tier: the main (int8) partition
 HOT_TIER = 1  # the hot partition of the tiered policy
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = torch_dtypes(dtypes.COMPUTE_DTYPES)
 
 
 class Admission(NamedTuple):

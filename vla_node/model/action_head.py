@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from vla_node.model.config import ModelConfig
 from vla_node.model.tokenizer import BIN_BASE
+
+
+@dataclass(frozen=True)
+class ActionChunk:
+    actions: np.ndarray  # [H, D] float32, bin centres
+    bins: np.ndarray  # [H, D] int64
+    logits: torch.Tensor  # [H*D, vocab] at the action query positions (fp32)
+
+
+def check_state(state, state_dim: int) -> torch.Tensor:
+    """The ego state as a [state_dim] float32 tensor; anything else (another length, NaN, Inf) is refused."""
+    values = np.asarray(state, dtype=np.float32).reshape(-1)
+    if values.shape != (state_dim,) or not np.isfinite(values).all():
+        raise ValueError(f"state {values.tolist()}: expected {state_dim} finite numbers")
+    return torch.from_numpy(values)
 
 
 class ActionBins:

@@ -72,10 +72,11 @@ def read_config(path: str | Path) -> ModelConfig:
     return from_dict(ModelConfig, meta["model"], "model")
 
 
-def load_checkpoint(path: str | Path) -> VLA:
-    """Load and validate a checkpoint directory; every tensor must match by name, shape and dtype."""
+def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> VLA:
+    """Load and validate a checkpoint directory; every tensor must match by name, shape and dtype. `config`: the
+    checkpoint's own (read_config) with run-time changes that keep every weight's shape, e.g. vision_frames."""
     path = Path(path)
-    model = VLA(read_config(path))
+    model = VLA(read_config(path) if config is None else config)
     expected = _parts(model)
     loaded: dict[str, torch.Tensor] = {}
     for part, (rel, want) in expected.items():

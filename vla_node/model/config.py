@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from vla_node.validate import choose, require
+from vla_node.validate import choose, is_number, require
 
 ActionDecode = Literal["parallel", "autoregressive"]
 
@@ -79,7 +79,7 @@ class ModelConfig:
                 f"{self.action_dims} values (one per action dim)")
         for key in ("rms_eps", "vision_eps", "rope_theta"):
             value = getattr(self, key)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            require(is_number(value)
                     and value > 0, f"model.{key}", value, "a finite number > 0")
         for i, (lo, hi) in enumerate(zip(self.action_low, self.action_high)):
             require(math.isfinite(lo), f"model.action_low[{i}]", lo, "a finite number")

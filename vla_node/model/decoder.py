@@ -49,11 +49,6 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [heads, T, hd], cos and signed_sin [T, hd] (RotaryTable): HF's x * cos + rotate_half(x) * sin in four
     ops instead of seven (the halves swapped by a roll, the sign carried by the table; negating a product is

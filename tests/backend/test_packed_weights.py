@@ -1,0 +1,212 @@
+"""Packed bf16 weights (oneDNN) with fused MLP activations: the same products as F.linear, the same model outputs
+within bf16 rounding, the cache still exact against the reference on the same packed model."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vla_node.config import ModelSection
+from vla_node.model.vla import build_vla
+from vla_node.model.config import preset
+from vla_node.backends import cpu_features
+from vla_node.backends.packed_weights import PackedLinear, packed_weights_available, use_packed_weights
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.reference import ReferencePolicy
+from vla_node.validate import ConfigError
+
+from helpers.numerics import assert_within, bf16_ulp
+
+needs_packed = pytest.mark.skipif(not packed_weights_available(),
+                                  reason="packed bf16 weights need oneDNN running bf16 in hardware (AVX512-BF16 or "
+                                         f"AMX, as ONEDNN_MAX_CPU_ISA allows); here: {cpu_features.describe()}")
+
+
+def _linear(bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(48, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
+
+
+def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| in units of bf16 spacing at |expected| (one rounding to nearest: at most 0.5)."""
+    spacing = expected.float().abs().clamp_min(1e-3) * 2.0**-7
+    return float(((got.float() - expected.float()).abs() / spacing).max())
+
+
+@needs_packed
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(48,), (1, 48), (17, 48), (2, 3, 48)])
+def test_packed_linear_equals_f_linear_to_one_bf16_rounding(bias, shape):
+    """oneDNN's inner product on the prepacked weight against F.linear's matmul primitive: the same sums in fp32,
+    each rounded once to bf16. Two kernels (weight layouts, blockings) may add in another order, so a sum on the
+    edge between two bf16 values may take the neighbouring one: one bf16 step of the largest magnitude."""
+    linear = _linear(bias)
+    x = torch.randn(shape).to(torch.bfloat16)
+    got = PackedLinear(linear)(x)
+    assert got.shape == (*shape[:-1], 40) and got.dtype == torch.bfloat16
+    expected = F.linear(x, linear.weight, linear.bias)
+    assert_within(got.float(), expected.float(), bf16_ulp(expected), "packed against F.linear")
+
+
+@needs_packed
+@pytest.mark.parametrize("activation, reference", [
+    ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
+    ("silu", F.silu),
+])
+def test_fused_activation_is_applied_before_the_bf16_rounding(activation, reference):
+    linear = _linear(True)
+    x = torch.randn(64, 48).to(torch.bfloat16)
+    expected = reference(F.linear(x.float(), linear.weight.float(), linear.bias.float()))  # fp32 all the way
+    got = PackedLinear(linear, activation)(x)
+    unfused = reference(F.linear(x, linear.weight, linear.bias))  # rounds to bf16 twice
+    assert _bf16_ulps(got, expected) <= 0.51  # rounded to bf16 once, to nearest: half a step
+    assert _bf16_ulps(unfused, expected) > 0.51  # (rounding twice is measurably worse on these inputs)
+
+
+@needs_packed
+def test_times_fuses_the_product():
+    linear, other = _linear(False), torch.randn(17, 40).to(torch.bfloat16)
+    x = torch.randn(17, 48).to(torch.bfloat16)
+    expected = F.linear(x.float(), linear.weight.float()) * other.float()
+    assert _bf16_ulps(PackedLinear(linear).times(x, other), expected) <= 0.51  # one rounding, as above
+    assert _bf16_ulps(F.linear(x, linear.weight) * other, expected) > 0.51  # a matmul, then a multiply: two
+
+
+@needs_packed
+def test_every_linear_is_packed_and_the_model_keeps_its_outputs_state_dict_and_copies():
+    config = preset("tiny")
+    plain = build_vla(config, seed=4).to(torch.bfloat16)
+    packed = use_packed_weights(copy.deepcopy(plain))
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(packed.state_dict()[key], value, rtol=0, atol=0)
+    rng = np.random.default_rng(0)
+    frame, state = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), np.zeros(config.state_dim, np.float32)
+    ours = ReferencePolicy(packed, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    theirs = ReferencePolicy(plain, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    rel = torch.linalg.vector_norm(ours - theirs) / torch.linalg.vector_norm(theirs)
+    assert rel.item() < 2e-2  # bf16 compute: fused activations round once instead of twice
+    clone = copy.deepcopy(packed)  # re-packs from the kept weights
+    again = ReferencePolicy(clone, torch.bfloat16).step([frame], "follow the lane", state).logits.float()
+    torch.testing.assert_close(again, ours, rtol=0, atol=0)
+
+
+@needs_packed
+def test_the_cache_stays_exact_against_the_reference_on_the_packed_model():
+    """Incremental decoding on the packed model equals full recompute on the same packed model: the weights
+    change the model, not the cache's exactness (all-fp32 partitions, bf16 compute on both sides)."""
+    config = preset("tiny").replace(vision_frames=2)
+    model = use_packed_weights(build_vla(config, seed=3).to(torch.bfloat16))
+    reference = ReferencePolicy(model, torch.bfloat16)
+    policy = MultiRatePolicy(model, CacheConfig.exact(), torch.bfloat16)
+    rng = np.random.default_rng(1)
+    policy.update_text("follow the lane")
+    for _ in range(3):
+        frame = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        state = rng.normal(size=config.state_dim).astype(np.float32)
+        policy.update_vision(policy.prepare_frames([frame]))
+        ours, theirs = policy.action_tick(state).logits.float(), reference.step([frame], "follow the lane", state)
+        rel = torch.linalg.vector_norm(ours - theirs.logits.float()) / torch.linalg.vector_norm(theirs.logits.float())
+        assert rel.item() < 2e-2  # bf16 compute, different block shapes: rounding only
+
+
+@needs_packed
+def test_bad_dtypes_are_refused_with_what_was_expected():
+    with pytest.raises(ValueError, match="bf16 CPU nn.Linear, got torch.float32"):
+        PackedLinear(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        PackedLinear(_linear(True), "relu")
+    linear = PackedLinear(_linear(True))
+    with pytest.raises(RuntimeError, match=r"takes a bf16 CPU input \[..., 48\], got torch.float32 \(3, 48\)"):
+        linear(torch.randn(3, 48))
+    model = use_packed_weights(build_vla(preset("tiny")).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="packed weights stay bf16 on the CPU"):
+        model.to(torch.float32)
+    with pytest.raises(ValueError, match="bf16 CPU nn.Linear"):
+        use_packed_weights(build_vla(preset("tiny")))
+
+
+def test_config_takes_packed_only_with_bf16_compute_on_a_cpu_that_has_it(monkeypatch):
+    import vla_node.backends.fp16_weights as precision
+    import vla_node.backends.packed_weights as packed
+
+    monkeypatch.setattr(packed, "packed_kernels_run", lambda: True)  # as where oneDNN runs bf16 (not under AVX2)
+
+    with pytest.raises(ConfigError, match=r"model.weights = 'packed': expected 'fp32' with dtype 'fp32' on 'cpu'"):
+        ModelSection(weights="packed", dtype="fp32")
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.weights = 'packed': expected 'fp32' here: packed bf16 weights"):
+        ModelSection(weights="packed", dtype="bf16")
+    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "bf16"
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    assert ModelSection(weights="packed", dtype="bf16").resolved_weights == "packed"
+    assert ModelSection(weights="auto", dtype="auto").resolved_weights == "packed"
+    assert ModelSection(weights="auto", dtype="bf16", device="cuda").resolved_weights == "bf16"
+    monkeypatch.setattr(packed, "packed_kernels_run", lambda: False)  # the flags say bf16, oneDNN refuses it
+    assert ModelSection(weights="auto", dtype="bf16").resolved_weights == "bf16"
+    with pytest.raises(ConfigError, match=r"model.weights = 'packed': expected 'fp32' here: packed bf16 weights"):
+        ModelSection(weights="packed", dtype="bf16")
+
+
+def test_packed_weights_are_offered_exactly_where_onednn_runs_them():
+    """The probe packs and runs a tiny bf16 matmul; availability also needs bf16 in hardware as oneDNN runs it."""
+    from vla_node.backends.fp16_weights import cpu_has_bf16
+    from vla_node.backends.packed_weights import packed_kernels_run
+
+    packed_kernels_run()
+    assert packed_kernels_run.cache_info().currsize == 1  # probed once, remembered
+    assert packed_weights_available() == (cpu_has_bf16() and packed_kernels_run())
+    if not packed_weights_available():
+        with pytest.raises(RuntimeError, match="need oneDNN running bf16 in hardware .*; here: oneDNN"):
+            use_packed_weights(build_vla(preset("tiny")).to(torch.bfloat16))
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [1, 17, 196])
+def test_the_fused_qkv_projection_equals_the_three_projections_to_bf16_rounding(rows):
+    """One q|k|v matmul against three: the same sums, but oneDNN blocks the wider output otherwise and may add in
+    another order (it does on an AMX Xeon at 196 rows), so a projection may land on the neighbouring bf16 value: v
+    within one bf16 step of the largest magnitude; q and k carry that step through RoPE's three bf16 roundings
+    (x * cos, roll(x) * sin, their sum), each of which may then take a neighbour too: four steps."""
+    model = use_packed_weights(build_vla(preset("small"), seed=2).to(torch.bfloat16))
+    layer = model.decoder.model.layers[1]
+    x = torch.randn(rows, model.config.hidden_size).to(torch.bfloat16)
+    cos, sin = model.decoder.rope(torch.arange(rows) + 40, torch.bfloat16)
+    with torch.inference_mode():
+        fused = layer.project_qkv(x, cos, sin)
+        qkv = layer.self_attn.__dict__.pop("qkv")  # the three projections on their own
+        assert "qkv" not in dict(layer.self_attn.named_modules()) and not any("qkv" in k for k in model.state_dict())
+        separate = layer.project_qkv(x, cos, sin)
+        object.__setattr__(layer.self_attn, "qkv", qkv)  # back as a plain attribute, as use_packed_weights sets it
+    for name, a, b, steps in zip("qkv", fused, separate, (4, 4, 1)):
+        assert_within(a.float(), b.float(), steps * bf16_ulp(b), name)
+    clone = copy.deepcopy(model)  # the copy's fused projection packs the copy's weights
+    attention = clone.decoder.model.layers[1].self_attn
+    assert attention.__dict__["qkv"]._parts[0] is attention.q_proj
+
+
+@needs_packed
+def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding():
+    """FrameTokenCache's full run takes every row's query from the one q|k|v matmul. Where that rounds a projection
+    to the neighbouring bf16 value (see above), the step is carried through the decoder's bf16 layers: the logits,
+    K/V and queries within two bf16 steps of their largest magnitude per layer (measured: a step on every element
+    of every fused projection moves them by at most 3.3 steps over the tiny preset's two layers)."""
+    config = preset("tiny").replace(image_size=64)
+    frame = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    state = np.ones(config.state_dim, np.float32)
+    results = []
+    for fused in (True, False):
+        model = use_packed_weights(build_vla(config, seed=4).to(torch.bfloat16))
+        if not fused:
+            for layer in model.decoder.model.layers:
+                del layer.self_attn.__dict__["qkv"]
+        policy = MultiRatePolicy(model, CacheConfig(), torch.bfloat16)
+        policy.update_text("go")
+        chunk = policy.update_vision(policy.prepare_frames([frame]), state=state).chunk
+        results.append((chunk.logits, policy._frame_tokens.k.clone(), policy._frame_tokens.q.clone()))
+    for name, a, b in zip(("logits", "k", "q"), *results):
+        assert_within(a.float(), b.float(), 2 * config.num_layers * bf16_ulp(b), name)

@@ -1,0 +1,1 @@
+"""Helpers shared by the test tiers (no test file imports another)."""

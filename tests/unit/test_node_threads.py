@@ -1,0 +1,47 @@
+"""The chunk broker is the only object whose state the node's worker and publisher threads share: the
+publisher's code reads nothing of the worker's (pipeline, ingest, scheduler, policy), and a frame's figures reach
+the published action through the broker with its chunk."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import numpy as np
+
+from vla_node.node.node import Node
+from vla_node.sched.broker import ChunkBroker, TickStatus
+
+WORKER_OWNED = {"pipeline", "ingest", "frame_topics"}
+# what the publisher may touch: its own settings and counters, the broker, the transport's output side
+PUBLISHER_MAY_TOUCH = {"config", "clock", "broker", "transport", "seq", "started_ns", "stop_event", "health"}
+
+
+def self_attributes(function) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+
+
+def test_the_publisher_thread_touches_only_the_broker_of_the_workers_state():
+    touched = self_attributes(Node._publisher_loop) | self_attributes(Node.health)
+    assert not touched & WORKER_OWNED, touched & WORKER_OWNED
+    assert touched <= PUBLISHER_MAY_TOUCH, touched - PUBLISHER_MAY_TOUCH
+    assert "pipeline" in self_attributes(Node._worker_loop) | self_attributes(Node._worker_status)
+
+
+def test_a_frames_figures_travel_with_its_chunk_and_the_workers_status_with_its_stamp():
+    broker = ChunkBroker(2, 3, period_ns=20_000_000, late_after_ns=100_000_000)
+    assert broker.status() == (None, 0)
+    chunk = np.arange(6, dtype=np.float32).reshape(2, 3)
+    broker.offer(chunk, frame_seq=7, frame_stamp_ns=1_000, produced_ns=2_000, level=1, timing_ms={"vision": 3.0},
+                 tokens_refreshed=42, reuse_ratio=0.75)
+    out = broker.next(2_000)
+    assert out.status is TickStatus.FRESH
+    assert (out.frame_seq, out.level, out.tokens_refreshed, out.reuse_ratio) == (7, 1, 42, 0.75)
+    later = broker.next(2_000 + 20_000_000)  # the chunk's next step keeps its frame's figures
+    assert later.status is TickStatus.CHUNK and (later.tokens_refreshed, later.reuse_ratio) == (42, 0.75)
+    status = {"frames_processed": 3}
+    broker.post_status(status, 5_000)
+    assert broker.status() == (status, 5_000)

@@ -1,0 +1,1 @@
+"""Engines behind one interface: weight formats, CPU feature detection, model loading."""

@@ -1,0 +1,29 @@
+"""Model loading: a preset or a checkpoint, built once at its run-time shapes, its linear weights in the format
+the launch file resolved (plain, fbgemm fp16, oneDNN packed bf16)."""
+
+from __future__ import annotations
+
+import torch
+
+from vla_node.backends.fp16_weights import use_fp16_weights
+from vla_node.backends.packed_weights import use_packed_weights
+from vla_node.model.checkpoint import load_checkpoint
+from vla_node.model.config import ModelConfig
+from vla_node.model.vla import VLA, build_vla
+
+WEIGHT_FORMATS = ("plain", "fp16", "packed")
+
+
+def load_model(config: ModelConfig, weights: str, checkpoint: str | None = None, seed: int = 0) -> VLA:
+    """The model at `config`'s shapes (a preset's, or the checkpoint's with run-time changes such as
+    vision_frames), from the checkpoint's weights or seeded random ones, its linear layers stored as `weights`:
+    'fp16' (fbgemm, fp32 compute), 'packed' (oneDNN bf16) or 'plain' (as they are; the policy casts them to its
+    compute dtype)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r}: expected one of {WEIGHT_FORMATS}")
+    model = build_vla(config, seed=seed) if checkpoint is None else load_checkpoint(checkpoint, config)
+    if weights == "fp16":
+        return use_fp16_weights(model)
+    if weights == "packed":
+        return use_packed_weights(model.to(torch.bfloat16))
+    return model

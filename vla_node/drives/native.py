@@ -1,0 +1,253 @@
+"""Native drives: MCAP files with profile "vla-node" and msgpack messages that mirror wire protocol v1.
+
+Channels: `frame/<camera>` (one per camera), `instruction`, `state`, and when recorded `action`, `health`.
+A frame message is the v1 frame header map plus key `data` with the payload (raw RGB/BGR or JPEG); other
+messages are their header map as is. Log time = publish time = the message's capture stamp in ns.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import msgpack
+import numpy as np
+from mcap.well_known import MessageEncoding
+from mcap.writer import CompressionType, Writer
+
+from vla_node.drives.common import DriveFrame, DriveMessage, McapDriveReader, McapIndex, drive_error, iter_mcap
+from vla_node.drives.video import jpeg_size
+from vla_node.validate import ConfigError
+
+NATIVE_PROFILE = "vla-node"
+FRAME_PREFIX = "frame/"
+WIRE_VERSION = 1
+WIRE_ENCODINGS = ("rgb8", "bgr8", "jpeg")
+COMPRESSIONS = {"zstd": CompressionType.ZSTD, "lz4": CompressionType.LZ4, "none": CompressionType.NONE}
+MAX_SIDE = 16384
+# msgpack limits for reading: generous for frames and action chunks, bounded for untrusted files
+UNPACK_LIMITS = dict(max_str_len=1 << 20, max_bin_len=MAX_SIDE * MAX_SIDE * 3, max_array_len=1 << 20,
+                     max_map_len=1 << 12, max_ext_len=0)
+SEQUENCE_MASK = 0xFFFFFFFF  # MCAP's sequence field is uint32
+
+
+def _library() -> str:
+    try:
+        return f"vla-node {importlib.metadata.version('vla-node')}"
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "vla-node"
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} = {value!r}: expected an integer")
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{name} = {value!r}: expected an integer in {low}..{high if high is not None else 'inf'}")
+    return int(value)
+
+
+def _plain(value: Any) -> Any:
+    """numpy values in a header map (e.g. state values) are stored as plain msgpack numbers and lists."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot pack {type(value).__name__}")
+
+
+class DriveWriter:
+    """Write a native drive. Usable as a context manager; close() (MCAP finish) also runs on an exception,
+    so an interrupted recording stays a readable drive."""
+
+    def __init__(
+        self,
+        path: os.PathLike | str,
+        profile: str = NATIVE_PROFILE,
+        compression: str = "zstd",
+        chunk_size: int = 4 << 20,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"compression = {compression!r}: expected one of {sorted(COMPRESSIONS)}")
+        _check_int("chunk_size", chunk_size, 1024, 1 << 30)
+        self.path = Path(path)
+        self._file = open(self.path, "wb")
+        try:
+            self._writer = Writer(self._file, chunk_size=chunk_size, compression=COMPRESSIONS[compression])
+            self._writer.start(profile=profile, library=_library())
+        except BaseException:
+            self._file.close()
+            raise
+        self._channels: dict[str, int] = {}
+        self._closed = False
+        self.frames_written = 0
+        self.messages_written = 0
+
+    def _channel(self, topic: str, metadata: dict[str, str]) -> int:
+        cid = self._channels.get(topic)
+        if cid is None:
+            cid = self._writer.register_channel(topic=topic, message_encoding=MessageEncoding.MessagePack,
+                                                schema_id=0, metadata=metadata)
+            self._channels[topic] = cid
+        return cid
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: drive writer is closed")
+
+    def add_frame(self, camera: str, seq: int, stamp_ns: int, encoding: str, height: int, width: int,
+                  payload: bytes | bytearray | memoryview) -> None:
+        """Append one frame; payload is height*width*3 bytes for rgb8/bgr8, a JPEG for jpeg."""
+        self._check_open()
+        if not isinstance(camera, str) or not camera or "/" in camera:
+            raise ConfigError(f"camera = {camera!r}: expected a non-empty name without '/'")
+        if encoding not in WIRE_ENCODINGS:
+            raise ConfigError(f"encoding = {encoding!r}: expected one of {list(WIRE_ENCODINGS)}")
+        seq = _check_int("seq", seq, 0)
+        stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
+        height = _check_int("height", height, 1, MAX_SIDE)
+        width = _check_int("width", width, 1, MAX_SIDE)
+        data = bytes(payload)
+        if encoding != "jpeg" and len(data) != height * width * 3:
+            raise ValueError(f"payload: {len(data)} bytes, expected height*width*3 = {height * width * 3} "
+                             f"for {encoding} {width}x{height}")
+        message = {"v": WIRE_VERSION, "seq": seq, "stamp_ns": stamp_ns, "camera": camera, "encoding": encoding,
+                   "height": height, "width": width, "data": data}
+        cid = self._channel(FRAME_PREFIX + camera, {"camera": camera})
+        self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns,
+                                 sequence=seq & SEQUENCE_MASK, data=msgpack.packb(message, use_bin_type=True))
+        self.frames_written += 1
+
+    def add_message(self, topic: str, stamp_ns: int, header_map: Mapping[str, Any]) -> None:
+        """Append a command or output message (instruction, state, action, health): its header map as is
+        (numpy arrays and scalars in it become plain lists and numbers)."""
+        self._check_open()
+        if not isinstance(topic, str) or not topic or topic.startswith(FRAME_PREFIX):
+            raise ValueError(f"topic = {topic!r}: expected a non-frame topic such as 'instruction' "
+                             f"(frames go through add_frame)")
+        if not isinstance(header_map, Mapping):
+            raise ValueError(f"header_map for {topic!r}: expected a map, got {type(header_map).__name__}")
+        stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
+        try:
+            data = msgpack.packb(dict(header_map), use_bin_type=True, default=_plain)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"header_map for {topic!r} cannot be packed as msgpack: {e}") from e
+        seq = header_map.get("seq", 0)
+        sequence = int(seq) & SEQUENCE_MASK if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool) else 0
+        cid = self._channel(topic, {})
+        self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns, sequence=sequence,
+                                 data=data)
+        self.messages_written += 1
+
+    def add_metadata(self, name: str, data: Mapping[str, str]) -> None:
+        """A named string map stored in the drive (e.g. where it was converted from)."""
+        self._check_open()
+        self._writer.add_metadata(name, {str(k): str(v) for k, v in data.items()})
+
+    def close(self) -> None:
+        """Finish the MCAP (summary, footer) and close the file; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.finish()
+        finally:
+            self._file.close()
+
+    def __enter__(self) -> "DriveWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+
+def _unpack(path: Path, topic: str, log_time: int, data: bytes) -> dict[str, Any]:
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True, **UNPACK_LIMITS)
+    except Exception as e:  # noqa: BLE001 - malformed msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError, ...
+        raise drive_error(path, f"message on {topic!r} at log time {log_time}: bad msgpack "
+                                f"({type(e).__name__}: {e})") from e
+    if not isinstance(value, dict):
+        raise drive_error(path, f"message on {topic!r} at log time {log_time}: expected a map, "
+                                f"got {type(value).__name__}")
+    return value
+
+
+def _frame(path: Path, camera: str, topic: str, log_time: int, origin_ns: int, m: dict[str, Any]) -> DriveFrame:
+    def bad(problem: str) -> Exception:
+        return drive_error(path, f"frame on {topic!r} at log time {log_time}: {problem}")
+
+    if m.get("v") != WIRE_VERSION:
+        raise bad(f"v = {m.get('v')!r}, expected {WIRE_VERSION}")
+    for key in ("seq", "stamp_ns", "height", "width"):
+        value = m.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad(f"{key} = {value!r}, expected a non-negative integer")
+    height, width, encoding, data = m["height"], m["width"], m.get("encoding"), m.get("data")
+    if m.get("camera") != camera:
+        raise bad(f"camera = {m.get('camera')!r}, expected {camera!r} (from the topic)")
+    if encoding not in WIRE_ENCODINGS:
+        raise bad(f"unsupported encoding {encoding!r}, expected one of {list(WIRE_ENCODINGS)}")
+    if not isinstance(data, bytes):
+        raise bad(f"data is {type(data).__name__}, expected bytes")
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise bad(f"size {width}x{height} outside 1..{MAX_SIDE}")
+    if encoding == "jpeg":
+        try:
+            jpeg_height, jpeg_width = jpeg_size(data)
+        except ValueError as e:
+            raise bad(str(e)) from e
+        if (jpeg_height, jpeg_width) != (height, width):
+            raise bad(f"JPEG is {jpeg_width}x{jpeg_height}, header says {width}x{height}")
+    elif len(data) != height * width * 3:
+        raise bad(f"{len(data)} payload bytes, expected {height * width * 3} for {encoding} {width}x{height}")
+    elif encoding == "bgr8":
+        bgr = np.frombuffer(data, np.uint8).reshape(height, width, 3)  # (H, W, 3)
+        data, encoding = bgr[:, :, ::-1].tobytes(), "rgb8"
+    return DriveFrame(camera, m["seq"], log_time - origin_ns, encoding, height, width, data)
+
+
+class NativeDriveReader(McapDriveReader):
+    kind = "native"
+
+    def __init__(self, path: Path, index: McapIndex, cameras: tuple[str, ...]) -> None:
+        self.index = index
+        self.topics = {camera: FRAME_PREFIX + camera for camera in cameras}
+        counts = index.topic_counts()
+        frame_count = sum(counts.get(t, 0) for t in self.topics.values())
+        if frame_count == 0:
+            raise drive_error(path, f"empty drive: no frame messages on {sorted(self.topics.values())}")
+        super().__init__(path, cameras, frame_count, index.end_ns - index.start_ns)
+        self._first = {camera: self._first_frame(camera) for camera in cameras}  # (frame, stored encoding)
+
+    @staticmethod
+    def frame_topics(index: McapIndex) -> list[str]:
+        return sorted({ch.topic for ch in index.channels.values()
+                       if ch.topic.startswith(FRAME_PREFIX) and ch.message_encoding == MessageEncoding.MessagePack})
+
+    def _first_frame(self, camera: str) -> tuple[DriveFrame, str]:
+        for frame, stored_encoding in self._frames([self.topics[camera]]):
+            return frame, stored_encoding
+        raise drive_error(self.path, f"empty drive: no frame messages on {self.topics[camera]!r}")
+
+    def _frames(self, topics: list[str]) -> Iterator[tuple[DriveFrame, str]]:
+        origin = self.index.start_ns
+        for _schema, channel, message in iter_mcap(self.path, topics):
+            m = _unpack(self.path, channel.topic, message.log_time, message.data)
+            camera = channel.topic[len(FRAME_PREFIX):]
+            yield _frame(self.path, camera, channel.topic, message.log_time, origin, m), m["encoding"]
+
+    def messages(self, topics: Iterable[str] | None = None) -> Iterator[DriveMessage]:
+        available = {ch.topic for ch in self.index.channels.values()
+                     if not ch.topic.startswith(FRAME_PREFIX) and ch.message_encoding == MessageEncoding.MessagePack}
+        wanted = sorted(available if topics is None else available & set(topics))
+        if not wanted:
+            return
+        origin = self.index.start_ns
+        for _schema, channel, message in iter_mcap(self.path, wanted):
+            header = _unpack(self.path, channel.topic, message.log_time, message.data)
+            yield DriveMessage(channel.topic, message.log_time - origin, header)

@@ -1,0 +1,1 @@
+"""The node process: transport loop, ingest, pipeline, warm-up, realtime settings, signals, its own process."""

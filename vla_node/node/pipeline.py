@@ -1,0 +1,182 @@
+"""The inference worker's per-frame work: plan against the deadline, run the stages, offer the chunk.
+
+No sockets and no threads here: `Pipeline.process(frames, now)` is called by the node's worker thread (and
+by tests and benchmarks) with the frames ingest selected; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vla_node.backends.loading import load_model
+from vla_node.config import NodeConfig
+from vla_node.kv.dtypes import torch_dtype
+from vla_node.model.config import preset
+from vla_node.node.faults import with_faults
+from vla_node.node.warmup import warm_up
+from vla_node.runtime.policy import MultiRatePolicy, StageAborted
+from vla_node.runtime.reuse import ReuseGate
+from vla_node.sched.scheduler import FramePlan, Scheduler
+from vla_node.validate import ConfigError
+from vla_node.wire.protocol import Frame
+
+
+def build_policies(config: NodeConfig) -> tuple[MultiRatePolicy, MultiRatePolicy | None]:
+    """The main engine's policy and, with `scheduler.smaller_preset`, the smaller engine's (given the main engine's
+    text capacity, so that every instruction the main engine takes fits it too)."""
+    section = config.model
+    dtype = torch_dtype(section.resolved_dtype)
+    weights = section.weight_format
+    main = load_model(section.model_config(), weights, section.checkpoint, section.seed)
+    policy = MultiRatePolicy(main, config.cache, dtype, section.device, config.reuse)
+    small = None
+    if config.scheduler.smaller_preset is not None:
+        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=policy.config.max_text_tokens)
+        small = MultiRatePolicy(load_model(shapes, weights, seed=section.seed), config.cache, dtype, section.device,
+                                config.reuse)
+    return policy, small
+
+
+class Pipeline:
+    """The policies, reuse gates, scheduler and chunk broker of one node, warmed up and ready when constructed
+    (`priors`: what the warm-up measured, the scheduler's first cost estimates)."""
+
+    def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns,
+                 warm_up_rounds: int = 2) -> None:
+        self.config = config
+        self.clock = clock
+        device = config.model.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "
+                              "on this machine; use 'cpu'")
+        policy, small = build_policies(config)
+        c = policy.config
+        self.state = np.zeros(c.state_dim, np.float32)
+        # A GPU runs the stages asynchronously: wait for it at every budget check and stage end, so that stage
+        # costs and checks see the work done, not the work queued.
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        policies = {"": policy} if small is None else {"": policy, "small_": small}
+        self.priors = warm_up(policies, config.model.instruction, self.state, self.sync, warm_up_rounds)
+        self.policy = with_faults(policy, clock)
+        self.small = None if small is None else with_faults(small, clock)
+        self.instruction = config.model.instruction  # what every policy's text partition holds after the warm-up
+        self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
+        self.broker = config.scheduler.broker(c.action_horizon, c.action_dims)
+        features = {"reuse": True, "refresh_cap": True, "vision_cache": True, "smaller_engine": small is not None,
+                    "chunk": c.action_horizon > 1}
+        self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features)
+        self.frames_processed = 0
+        self.frames_skipped = 0  # planned stale or at a level that runs no inference
+
+    # --- one frame ------------------------------------------------------------------------------------
+    def process(self, frames: list[Frame], instruction: str | None, state: np.ndarray | None) -> FramePlan:
+        """Plan and run the stages for the newest frames; offers the chunk to the broker when one is made."""
+        sched = self.scheduler
+        if state is not None:
+            self.state = state
+        changed = instruction is not None and instruction != self.instruction
+        primary = frames[0]
+        now = self.clock()
+        plan = sched.plan_frame(now, primary.stamp_ns, changed)
+        knobs = plan.knobs
+        if knobs.force_fallback:
+            self.broker.withdraw(plan.level)
+        if plan.stale or not knobs.run_inference:
+            self.frames_skipped += 1
+            sched.finish_frame(self.clock(), primary.stamp_ns, plan.budget.outcome())
+            return plan
+        policy = self.small if knobs.use_smaller_engine else self.policy
+        budget = plan.budget
+        tokens_refreshed, reuse_ratio = None, None
+
+        def run(stage: str, work: Callable[[Callable[[float], bool]], object]) -> object | None:
+            if not budget.fits(stage, self.clock()):
+                return None
+            budget.begin(stage, self.clock())
+            done = [0.0]
+
+            def check(fraction: float) -> bool:
+                self.sync()
+                done[0] = fraction
+                return budget.fits(stage, self.clock(), fraction_left=max(0.0, 1.0 - fraction))
+
+            try:
+                result = work(check)
+                self.sync()
+            except StageAborted:
+                budget.stop(stage, self.clock(), min(done[0], 0.99))
+                return None
+            budget.end(stage, self.clock())
+            return result
+
+        if plan.run_text:
+            run("text", lambda check: policy.update_text(instruction, check))
+            if budget.completed("text"):  # else the old instruction stays, and the new one is retried next frame
+                self.instruction = instruction
+                if self.small is not None and policy is self.policy:
+                    self.small.update_text(instruction)
+                if policy is self.small:
+                    self.policy.update_text(instruction)  # keep the main engine in step
+        update = None
+        if plan.run_vision:
+            update = self._vision(policy, frames, knobs, plan, run)
+            if update is not None:
+                tokens_refreshed, reuse_ratio = update.tokens_refreshed, update.reuse_ratio
+        chunk = None
+        if plan.run_action:
+            if update is not None and update.chunk is not None:  # the tick ran in the frame's vision pass
+                chunk = update.chunk
+                budget.done_within("action", "vision")
+            else:
+                chunk = run("action", lambda check: policy.action_tick(self.state, check))
+        outcome = budget.outcome()
+        if chunk is not None:
+            timing = outcome.timing_ms()
+            timing["total"] = (self.clock() - now) / 1e6
+            self.broker.offer(chunk.actions, primary.seq, primary.stamp_ns, self.clock(), plan.level, timing,
+                              deadline_ns=plan.deadline_ns, tokens_refreshed=tokens_refreshed,
+                              reuse_ratio=reuse_ratio)
+        self.frames_processed += 1
+        sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
+        return plan
+
+    def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
+        """The vision stage: resize to the model input, plan reuse, update; the gates commit with it. When the
+        action stage follows, its tick is handed to the update (it decodes it in the frame's pass where it can;
+        its budget stays reserved for a stage that stops halfway), except on the frames where the scheduler wants
+        the action stage's cost measured on its own."""
+        c = policy.config
+        state = None
+        if plan.run_action and not self.scheduler.wants_action_sample(plan, self.clock()):
+            state = self.state
+        if policy is self.small or plan.instruction_changed:
+            # the smaller engine's cache is not kept frame by frame, and a new instruction invalidates
+            # every cached vision token: a full refresh either way
+            return run("vision", lambda check: policy.update_vision(
+                policy.prepare_frames([f.rgb for f in frames]), None, False, check, state))
+        threshold = self.config.reuse.threshold * knobs.reuse_threshold_scale
+        cap = None
+        if knobs.max_refresh_fraction < 1.0:
+            cap = max(1, int(c.tokens_per_camera * knobs.max_refresh_fraction))
+        if self.config.reuse.max_refresh is not None:
+            cap = self.config.reuse.max_refresh if cap is None else min(cap, self.config.reuse.max_refresh)
+        staged = []
+
+        def work(check):
+            images = policy.prepare_frames([f.rgb for f in frames])  # [C, S, S, 3]
+            plans = [gate.plan(images[i], threshold=threshold, max_refresh=cap) for i, gate in enumerate(self.gates)]
+            scene_cut = any(p.scene_cut and p.full for p in plans)  # a capped cut refreshes over several frames
+            tokens = [None if p.full else torch.tensor(p.refresh) for p in plans]
+            update = policy.update_vision(images, tokens, scene_cut, check, state)
+            staged.extend(zip(self.gates, plans, images))
+            return update
+
+        update = run("vision", work)
+        if update is not None:  # the gates move only with the cache
+            for gate, reuse_plan, image in staged:
+                gate.commit(reuse_plan, image)
+        return update

@@ -1,0 +1,85 @@
+"""The node in its own process for replays and tests: `python -m vla_node.cli run` on private addresses, its
+output in a log file, stopped with SIGINT, its exit code and the tail of its log in every error."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import zmq
+
+from vla_node.wire.transport import TransportConfig
+
+ADDRESS_KEYS = ("frames", "commands", "actions", "health")
+STOP_TIMEOUT_S = 30.0  # SIGINT to exit
+LOG_TAIL_LINES = 12
+
+
+class NodeProcessError(RuntimeError):
+    """The node could not be reached, crashed, or did not stop; the message names the exit code and log."""
+
+
+def private_addresses() -> dict[str, str]:
+    """Four unused addresses: Linux abstract ipc (a second bind is refused, nothing to clean up), else free
+    loopback tcp ports."""
+    if sys.platform.startswith("linux"):
+        tag = f"vla-node-replay-{os.getpid()}-{secrets.token_hex(4)}"
+        return {key: f"ipc://@{tag}-{key}" for key in ADDRESS_KEYS}
+    ctx = zmq.Context.instance()
+    ports = []
+    for _ in ADDRESS_KEYS:
+        with ctx.socket(zmq.PUB) as probe:
+            ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
+    return {key: f"tcp://127.0.0.1:{port}" for key, port in zip(ADDRESS_KEYS, ports)}
+
+
+class NodeProcess:
+    """`vla-node run` in a child process (its own session, so a terminal's Ctrl-C reaches only the replay,
+    which stops the node itself); stdout and stderr go to log_path."""
+
+    def __init__(self, launch: Path, transport: TransportConfig, log_path: Path) -> None:
+        self.log_path = log_path
+        command = [sys.executable, "-m", "vla_node.cli", "run", "--launch", str(launch)]
+        for key in ADDRESS_KEYS:
+            command += [f"--{key}", getattr(transport, key)]
+        self._log = open(log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            self._log.close()
+            raise
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(log unreadable: {e})"
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def error(self, when: str) -> NodeProcessError:
+        return NodeProcessError(f"the node exited with code {self.proc.returncode} {when}; last lines of "
+                                f"{self.log_path}:\n{self.tail()}")
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGINT, wait; a node still running after timeout_s is killed and that is an error."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise NodeProcessError(f"the node did not stop within {timeout_s:g} s of SIGINT and was "
+                                           f"killed; last lines of {self.log_path}:\n{self.tail()}") from None
+            return self.proc.returncode
+        finally:
+            self._log.close()

@@ -1,0 +1,1 @@
+"""The wire: msgpack codec with limits, protocol v1 messages, ZeroMQ sockets and the client, CURVE keys."""
