@@ -1,0 +1,90 @@
+"""Engines behind one small interface: `run(inputs, outputs)` into caller-owned, preallocated buffers.
+
+An engine runs one pure step (backends/steps.py) on named tensors; the runtime owns every buffer, binds them once
+and calls `run` per tick or frame (openpilot modeld's ModelState.run: named inputs bound once, one execute).
+
+    TorchEngine        the step module itself, eager (the reference every other engine is checked against)
+    OnnxRuntimeEngine  the step's exported ONNX graph in ONNX Runtime, bound by pointer (IOBinding): nothing is
+                       copied or allocated per call on the CPU execution provider
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+# torch dtype -> numpy dtype of an IOBinding element
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
+          torch.int8: np.int8, torch.bool: np.bool_}
+
+
+class Engine(Protocol):
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        """Compute the outputs of `inputs` into `outputs` (every name, the shapes and dtypes bound)."""
+
+
+def _check_names(what: str, given: Mapping[str, torch.Tensor], expected: Sequence[str]) -> None:
+    if set(given) != set(expected):
+        raise ValueError(f"{what} {sorted(given)}: expected exactly {sorted(expected)}")
+
+
+class TorchEngine:
+    """The step module run eagerly; its outputs copied into the caller's buffers."""
+
+    def __init__(self, step: nn.Module, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+        self.step = step.eval()
+        self.input_names, self.output_names = tuple(input_names), tuple(output_names)
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        with torch.inference_mode():
+            results = self.step(*(inputs[name] for name in self.input_names))
+        for name, value in zip(self.output_names, results):
+            outputs[name].copy_(value)
+
+
+class OnnxRuntimeEngine:
+    """An exported step in ONNX Runtime. `bind(inputs, outputs)` binds the caller's CPU tensors by pointer once;
+    `run` then executes with nothing copied. A new set of tensors (another pointer, shape or dtype) is bound anew
+    by `run` itself. `threads`: intra-op threads (1: one core, no spinning)."""
+
+    def __init__(self, path: str | Path, threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(path), options, providers=list(providers))
+        self.input_names = tuple(i.name for i in self.session.get_inputs())
+        self.output_names = tuple(o.name for o in self.session.get_outputs())
+        self._binding = self.session.io_binding()
+        self._bound: tuple | None = None  # (name, pointer, shape, dtype) of every bound tensor
+
+    def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        _check_names("inputs", inputs, self.input_names)
+        _check_names("outputs", outputs, self.output_names)
+        self._binding.clear_binding_inputs()
+        self._binding.clear_binding_outputs()
+        for name, tensor, bind in ([(n, inputs[n], self._binding.bind_input) for n in self.input_names]
+                                   + [(n, outputs[n], self._binding.bind_output) for n in self.output_names]):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in _NUMPY:
+                raise ValueError(f"{name}: a contiguous CPU tensor of {sorted(map(str, _NUMPY))} expected, got "
+                                 f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
+            bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+        self._bound = self._signature(inputs, outputs)
+
+    def _signature(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> tuple:
+        return tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in [*sorted(inputs.items()),
+                                                                              *sorted(outputs.items())])
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        if self._bound is None or self._signature(inputs, outputs) != self._bound:
+            self.bind(inputs, outputs)
+        self.session.run_with_iobinding(self._binding)

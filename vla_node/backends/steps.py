@@ -1,0 +1,106 @@
+"""Pure, static-shape step modules over the model's weights: the arithmetic an engine runs.
+
+Every cache tensor is an input and every new K/V row an output; validity is an additive fp32 bias (0 = attend,
+-inf = masked); inside a step there is no `.item()`, `nonzero`, host sync, branch on a tensor value, in-place
+write to an input or validation (the host checks its inputs before the call). Attention is written out in 4-D as
+MatMul -> Add -> Softmax -> MatMul with each KV head's query heads stacked, which the ONNX exporter lowers to
+plain ops (TensorRT 10.3 takes them at opset <= 20).
+
+`DecoderBlockStep` is the shared piece: a block of rows through every decoder layer, attending to a prefix of
+cached K/V plus the block's own. `TickStep` is the parallel action tick in its fused form (new state | the other
+stored states, recomputed | the H*D action queries) over the tick's prefix buffer (text and vision, read once per
+commit): one static shape for every tick.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vla_node.model.decoder import LlamaDecoderLayer
+from vla_node.model.vla import VLA
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q [H, n, hd] over k, v [KV, S, hd] with an additive fp32 bias [n, S]; returns [H, n, hd] in q's dtype.
+    4-D throughout, the g = H / KV query heads of a KV head stacked: no repeat of the KV heads."""
+    heads, n, hd = q.shape
+    kv_heads, length = k.shape[0], k.shape[1]
+    g = heads // kv_heads
+    qg = q.reshape(1, kv_heads, g * n, hd)  # [H, n, hd] -> [1, KV, g*n, hd]
+    scores = torch.matmul(qg, k.reshape(1, kv_heads, length, hd).transpose(2, 3)).float()  # [1, KV, g*n, S]
+    scores = scores.reshape(1, kv_heads, g, n, length) * (1.0 / math.sqrt(hd)) + bias  # -> [1, KV, g, n, S]
+    p = torch.softmax(scores, dim=-1).reshape(1, kv_heads, g * n, length)  # -> [1, KV, g*n, S]
+    out = torch.matmul(p.to(v.dtype), v.reshape(1, kv_heads, length, hd))  # [1, KV, g*n, hd]
+    return out.reshape(heads, n, hd).to(q.dtype)  # [1, KV, g*n, hd] -> [H, n, hd]
+
+
+class DecoderBlockStep(nn.Module):
+    """A block of n rows through every decoder layer over a cached prefix: x [n, hidden], positions [n] (int64),
+    prefix_k / prefix_v [L, KV, P, hd], bias [n, P + n] (the prefix's columns, then the block's own) ->
+    (hidden [n, hidden], block_k, block_v [L, KV, n, hd] with RoPE on k)."""
+
+    def __init__(self, model: VLA) -> None:
+        super().__init__()
+        self.layers: list[LlamaDecoderLayer] = list(model.decoder.model.layers)
+        self.rope = model.decoder.rope
+        for i, layer in enumerate(self.layers):  # registered so that export sees the weights as parameters
+            self.add_module(f"layer{i}", layer)
+
+    def run_block(self, x: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = self.rope(positions, x.dtype)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project_qkv(x, cos, sin)
+            keys = torch.cat([prefix_k[i], k], dim=1)  # [KV, P, hd] | [KV, n, hd] -> [KV, P + n, hd]
+            values = torch.cat([prefix_v[i], v], dim=1)
+            x = layer.finish(x, block_attention(q, keys, values, bias))
+            ks.append(k)
+            vs.append(v)
+        return x, torch.stack(ks), torch.stack(vs)  # [L x [KV, n, hd]] -> [L, KV, n, hd]
+
+
+class TickStep(DecoderBlockStep):
+    """The parallel action tick, fused form: rows [new state | S - 1 stored states | H*D queries].
+
+    Inputs: state_x [1 + S - 1, hidden] (the new state's embedding, then the stored states' embeddings, invalid
+    ones any finite value), positions [n], prefix_k / prefix_v [L, KV, P, hd], bias [n, P + n]. Outputs: logits
+    [H*D, vocab] at the queries, state_k / state_v [L, KV, S, hd] (the new state's row first, then the stored
+    states', recomputed). Equal, to float rounding, to MultiRatePolicy's tick with the prefix buffer."""
+
+    def __init__(self, model: VLA) -> None:
+        super().__init__(model)
+        c = model.config
+        self.states = c.state_slots
+        self.norm = model.decoder.model.norm
+        self.lm_head = model.decoder.lm_head
+        self.embed_tokens = model.decoder.model.embed_tokens
+        self.register_buffer("query_ids", model.query_ids(None), persistent=False)  # [H*D] all ACT
+
+    def forward(self, state_x: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor,
+                prefix_v: torch.Tensor, bias: torch.Tensor):
+        x = torch.cat([state_x, self.embed_tokens(self.query_ids)])  # [S + H*D, hidden]
+        hidden, k, v = self.run_block(x, positions, prefix_k, prefix_v, bias)
+        logits = self.lm_head(self.norm(hidden[self.states :])).float()  # [H*D, vocab]
+        return logits, k[:, :, : self.states], v[:, :, : self.states]
+
+
+def tick_bias(prefix_bias: torch.Tensor, stored_valid: torch.Tensor, queries: int) -> torch.Tensor:
+    """The tick block's bias [S + Q, P + S + Q] (host side, once per tick): every row sees the valid prefix slots
+    (prefix_bias [P], 0 or -inf); the new state (row 0) and each stored state (rows 1..S-1, valid where
+    stored_valid [S - 1]) see themselves; the queries see the new state, the valid stored states and, causally,
+    each other."""
+    p, s = prefix_bias.shape[0], stored_valid.shape[0] + 1
+    n = s + queries
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    allowed[:s, :s] = torch.eye(s, dtype=torch.bool)
+    allowed[s:, 0] = True
+    allowed[s:, 1:s] = stored_valid
+    allowed[s:, s:] = torch.ones(queries, queries, dtype=torch.bool).tril()
+    bias = torch.zeros(n, p + n, dtype=torch.float32)
+    bias[:, :p] = prefix_bias
+    bias[:, p:].masked_fill_(~allowed, float("-inf"))
+    return bias
