@@ -1,5 +1,6 @@
-"""The pure tick step: equal to the cached policy's tick (fp32, float rounding), exported to ONNX at opset 20 and
-checked, ONNX Runtime equal to the torch step, and both engines running into the caller's buffers."""
+"""The pure steps (text, full frame, tick): each equal to what the cached policy computes (fp32, to float rounding),
+exported to ONNX at opset 20 and checked, ONNX Runtime equal to the torch step, and both engines running into the
+caller's buffers."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 
 from vla_node.backends.engine import OnnxRuntimeEngine, TorchEngine
 from vla_node.backends.export import export_step
-from vla_node.backends.steps import TickStep, tick_bias
+from vla_node.backends.steps import FrameStep, TextStep, TickStep, frame_bias, text_bias, tick_bias
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
-from vla_node.model.vla import build_vla
+from vla_node.model.vla import build_vla, to_pixels
 from vla_node.runtime.policy import MultiRatePolicy
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle of the exported graph")
@@ -117,3 +118,73 @@ def test_an_engine_refuses_buffers_it_cannot_bind(tmp_path):
         engine.run({k: v for k, v in inputs.items() if k != "bias"}, outputs)
     with pytest.raises(ValueError, match="logits: a contiguous CPU tensor"):
         engine.run(inputs, {**outputs, "logits": outputs["logits"].t()})
+
+
+FRAME_NAMES = ["pixels", "positions", "text_k", "text_v", "bias"]
+FRAME_OUTPUTS = ("frame_embeds", "frame_k", "frame_v")
+
+
+def frame_inputs(policy: MultiRatePolicy, images: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """The frame step's inputs for a full refresh of `images` (uint8 [C, S, S, 3]) into frame slot 0."""
+    c = policy.config
+    with torch.inference_mode():
+        layers = [policy.text.read(layer) for layer in range(c.num_layers)]
+        text_k = torch.stack([k for k, _, _ in layers]).clone()  # [L x [KV, Tt, hd]] -> [L, KV, Tt, hd]
+        text_v = torch.stack([v for _, v, _ in layers]).clone()
+        return (to_pixels(images, torch.float32), torch.tensor(list(c.vision_positions(0))), text_k, text_v,
+                frame_bias(layers[0][2].clone(), c.tokens_per_frame))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_the_frame_step_equals_the_policys_full_refresh(name):
+    """vision_frames = 1: the frame's K/V as the cache stores them after a full refresh (fp32 storage)."""
+    model = build_vla(preset(name), seed=0)
+    policy = MultiRatePolicy(model, CacheConfig.exact())
+    c = policy.config
+    policy.update_text("keep lane")
+    images = policy.prepare_frames([np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8)])
+    inputs = frame_inputs(policy, images)
+    policy.update_vision(images)
+    with torch.inference_mode():
+        _, frame_k, frame_v = FrameStep(model).eval()(*inputs)
+        partition = policy.vision.partitions[0]
+        stored = [partition.read(layer) for layer in range(c.num_layers)]
+    slots = stored[0][2].nonzero().flatten()
+    assert slots.numel() == c.tokens_per_frame
+    for got, index in ((frame_k, 0), (frame_v, 1)):
+        expected = torch.stack([s[index] for s in stored])[:, :, slots]  # [L, KV, F, hd]
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_the_exported_frame_step_runs_in_onnx_runtime_as_in_torch(tmp_path):
+    model = build_vla(preset("tiny"), seed=0)
+    policy = MultiRatePolicy(model, CacheConfig.exact())
+    policy.update_text("keep lane")
+    images = policy.prepare_frames([np.random.default_rng(2).integers(0, 256, (48, 64, 3), dtype=np.uint8)])
+    sidecar = export_step(FrameStep(model), dict(zip(FRAME_NAMES, frame_inputs(policy, images))), FRAME_OUTPUTS,
+                          tmp_path / "frame.onnx")
+    assert sidecar["opset"] == 20
+    for name, figures in sidecar["parity_onnxruntime_vs_torch"].items():
+        assert figures["max_rel"] <= 1e-4, (name, figures)
+
+
+def test_the_text_step_equals_the_policys_text_partition_and_exports(tmp_path):
+    model = build_vla(preset("tiny"), seed=0)
+    policy = MultiRatePolicy(model, CacheConfig.exact())
+    c = policy.config
+    policy.update_text("keep lane")
+    n = len(policy.text_ids)
+    ids = torch.full((c.max_text_tokens,), 0, dtype=torch.long)
+    ids[:n] = torch.tensor(policy.text_ids)
+    inputs = {"ids": ids, "positions": torch.arange(c.max_text_tokens), "bias": text_bias(n, c.max_text_tokens)}
+    step = TextStep(model)
+    with torch.inference_mode():
+        text_k, text_v = step.eval()(*inputs.values())
+        stored = [policy.text.read(layer) for layer in range(c.num_layers)]
+    for got, index in ((text_k, 0), (text_v, 1)):
+        expected = torch.stack([s[index] for s in stored])[:, :, :n]  # [L, KV, n, hd]
+        assert (got[:, :, :n] - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert torch.isfinite(text_k).all()  # padding rows attend to the instruction, never to nothing
+    sidecar = export_step(step, inputs, ("text_k", "text_v"), tmp_path / "text.onnx")
+    for name, figures in sidecar["parity_onnxruntime_vs_torch"].items():
+        assert figures["max_rel"] <= 1e-4, (name, figures)

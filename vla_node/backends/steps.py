@@ -7,7 +7,8 @@ MatMul -> Add -> Softmax -> MatMul with each KV head's query heads stacked, whic
 plain ops (TensorRT 10.3 takes them at opset <= 20).
 
 `DecoderBlockStep` is the shared piece: a block of rows through every decoder layer, attending to a prefix of
-cached K/V plus the block's own. `TickStep` is the parallel action tick in its fused form (new state | the other
+cached K/V plus the block's own. `TextStep` is the instruction at the text partition's capacity. `FrameStep` is a full vision refresh (tower, projector, the frame's K/V over the
+text). `TickStep` is the parallel action tick in its fused form (new state | the other
 stored states, recomputed | the H*D action queries) over the tick's prefix buffer (text and vision, read once per
 commit): one static shape for every tick.
 """
@@ -50,10 +51,17 @@ class DecoderBlockStep(nn.Module):
             self.add_module(f"layer{i}", layer)
 
     def run_block(self, x: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-                  bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  bias: torch.Tensor, output: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """output=False: a block that is only attended to (text, frames): the last layer computes its K/V alone
+        and no hidden state is returned."""
         cos, sin = self.rope(positions, x.dtype)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
+            if not output and i == len(self.layers) - 1:
+                k, v = layer.project_kv(x, cos, sin)
+                ks.append(k)
+                vs.append(v)
+                return None, torch.stack(ks), torch.stack(vs)  # [L x [KV, n, hd]] -> [L, KV, n, hd]
             q, k, v = layer.project_qkv(x, cos, sin)
             keys = torch.cat([prefix_k[i], k], dim=1)  # [KV, P, hd] | [KV, n, hd] -> [KV, P + n, hd]
             values = torch.cat([prefix_v[i], v], dim=1)
@@ -61,6 +69,46 @@ class DecoderBlockStep(nn.Module):
             ks.append(k)
             vs.append(v)
         return x, torch.stack(ks), torch.stack(vs)  # [L x [KV, n, hd]] -> [L, KV, n, hd]
+
+
+class TextStep(DecoderBlockStep):
+    """The instruction through the decoder, at the text partition's full capacity Tt (static): ids [Tt] (int64; the
+    padding any token id), positions [Tt], bias [Tt, Tt] (causal, and no row sees a padding slot). Outputs
+    text_k / text_v [L, KV, Tt, hd]; the host keeps the valid rows. Padding rows attend to the valid prefix
+    (never to nothing) and are not kept."""
+
+    def __init__(self, model: VLA) -> None:
+        super().__init__(model)
+        self.embed_tokens = model.decoder.model.embed_tokens
+        self.register_buffer("no_prefix", torch.zeros(len(self.layers), model.config.num_kv_heads, 0,
+                                                      model.config.head_dim), persistent=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor):
+        x = self.embed_tokens(ids)  # [Tt] -> [Tt, hidden]
+        prefix = self.no_prefix.to(x.dtype)
+        _, k, v = self.run_block(x, positions, prefix, prefix, bias, output=False)
+        return k, v
+
+
+class FrameStep(DecoderBlockStep):
+    """A full vision refresh: every camera's pixels through the vision tower and projector, then the frame's tokens
+    through the decoder over the text. Inputs: pixels [C, 3, S, S] in [-1, 1], positions [C*T] (the frame slot's),
+    text_k / text_v [L, KV, Tt, hd], bias [C*T, Tt + C*T] (the text's validity, then 0: a frame sees all of
+    itself). Outputs: frame_embeds [C*T, hidden] (kept by the host: a text change recomputes the frame from them),
+    frame_k / frame_v [L, KV, C*T, hd]."""
+
+    def __init__(self, model: VLA) -> None:
+        super().__init__(model)
+        self.vision = model.vision
+        self.projector = model.projector
+        self.camera_embedding = model.camera_embedding
+
+    def forward(self, pixels: torch.Tensor, positions: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor,
+                bias: torch.Tensor):
+        tokens = self.projector(self.vision(pixels)) + self.camera_embedding[:, None, :]  # [C, T, hidden]
+        embeds = tokens.reshape(-1, tokens.shape[-1])  # [C, T, hidden] -> [C*T, hidden]
+        _, k, v = self.run_block(embeds, positions, text_k, text_v, bias, output=False)
+        return embeds, k, v
 
 
 class TickStep(DecoderBlockStep):
@@ -86,6 +134,22 @@ class TickStep(DecoderBlockStep):
         hidden, k, v = self.run_block(x, positions, prefix_k, prefix_v, bias)
         logits = self.lm_head(self.norm(hidden[self.states :])).float()  # [H*D, vocab]
         return logits, k[:, :, : self.states], v[:, :, : self.states]
+
+
+def text_bias(length: int, capacity: int) -> torch.Tensor:
+    """The text block's bias [Tt, Tt] (host side): causal over the `length` valid tokens; every row, padding
+    included, sees only valid earlier tokens (a padding row sees the whole instruction)."""
+    allowed = torch.ones(capacity, capacity, dtype=torch.bool).tril()
+    allowed[:, length:] = False
+    return torch.zeros(capacity, capacity, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+
+
+def frame_bias(text_valid: torch.Tensor, frame_tokens: int) -> torch.Tensor:
+    """The frame block's bias [F, Tt + F] (host side): the valid text slots (text_valid bool [Tt]) and every token
+    of the frame itself."""
+    bias = torch.zeros(frame_tokens, text_valid.shape[0] + frame_tokens, dtype=torch.float32)
+    bias[:, : text_valid.shape[0]].masked_fill_(~text_valid, float("-inf"))
+    return bias
 
 
 def tick_bias(prefix_bias: torch.Tensor, stored_valid: torch.Tensor, queries: int) -> torch.Tensor:
