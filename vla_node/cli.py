@@ -45,6 +45,10 @@ def cmd_bench(args) -> int:
         from vla_node.bench import node
 
         node.run(args.preset, json_path=args.json, **given(args, "seconds", "launch"))
+    elif args.what == "engines":
+        from vla_node.bench import engines
+
+        engines.run(args.preset, json_path=args.json, **given(args, "iters", "threads"))
     elif args.what == "attention":
         from vla_node.bench import attention
 
@@ -229,7 +233,7 @@ def add_drive_commands(sub) -> None:
 
 
 def add_bench_commands(sub) -> None:
-    """bench model | cache | node | attention | reuse."""
+    """bench model | cache | node | engines | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench = p.add_subparsers(dest="what", required=True)
     q = bench_parser(bench, "model", "our cached policy against the reference and transformers' generate")
@@ -246,6 +250,9 @@ def add_bench_commands(sub) -> None:
     q = bench_parser(bench, "node", "the node over real loopback ZeroMQ against its latency targets")
     q.add_argument("--seconds", type=float, help="measured run length (default 60)")
     q.add_argument("--launch", help="launch file instead of launch/cpu.toml (its own preset applies)")
+    q = bench_parser(bench, "engines", "each pure step in torch and ONNX Runtime (fp32, int8), with parity")
+    q.add_argument("--iters", type=int, help="timed rounds (default 10)")
+    add_threads(q)
     q = bench_parser(bench, "attention", "segmented against gathered attention over the partitions")
     add_threads(q)
     q = bench_parser(bench, "reuse", "vision-token reuse on real clips: reuse ratio, time saved, action deviation")

@@ -1,0 +1,30 @@
+"""`vla-node bench engines` on the tiny preset: every step and recipe timed in one run, ONNX Runtime fp32 equal to
+torch fp32, the int8 recipe's deviation reported, the targets computed from the same run's figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
+
+
+def test_bench_engines_times_every_step_and_recipe_side_by_side(tmp_path, capsys):
+    from vla_node.bench import engines
+
+    result = engines.run("tiny", iters=1, json_path=str(tmp_path / "engines.json"))
+    assert json.loads((tmp_path / "engines.json").read_text()) == result
+    assert set(result["steps"]) == {"text", "frame", "tick"}
+    for step, recipes in result["steps"].items():
+        assert {"torch-fp32", "onnxruntime-fp32", "onnxruntime-int8"} <= set(recipes), step
+        assert all(f["ms"] > 0 for f in recipes.values()), step
+        for output, figures in recipes["onnxruntime-fp32"]["parity_vs_torch_fp32"].items():
+            assert figures["max_rel"] <= 1e-4, (step, output, figures)
+        for output, figures in recipes["onnxruntime-int8"]["parity_vs_torch_fp32"].items():
+            assert 0 < figures["max_rel"] < 0.5, (step, output, figures)  # quantized: off, but not garbage
+    targets = result["targets"]
+    tick = result["steps"]["tick"]
+    ratio = targets["onnxruntime_int8_tick_over_torch_fp32_tick"]["value"]
+    assert ratio == pytest.approx(tick["onnxruntime-int8"]["ms"] / tick["torch-fp32"]["ms"], abs=1e-3)
+    assert "onnxruntime-int8 tick / torch-fp32 tick" in capsys.readouterr().out
