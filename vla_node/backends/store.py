@@ -1,0 +1,145 @@
+"""The engine store: built engines cached under `engines/<step>-<recipe>-<key>/`, rebuilt on any mismatch.
+
+The key hashes everything an engine depends on: the model weights, the step and its input shapes, the recipe, the
+calibration, the backend and its version, and the device (GPU name and compute capability, or the CPU's model and
+the kernels it runs). A folder holds the engine's files and `manifest.json` (the key's fields and every file's
+SHA-256); a folder whose manifest is missing, unreadable, of another key, or whose files do not match their hashes
+(corrupt, truncated) is treated as missing: rebuilt, or with building refused, a one-line error naming the command
+that builds it. A build writes into a temporary folder and renames it into place, so a crash mid-build leaves no
+half-written engine behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+class EngineStoreError(RuntimeError):
+    """No usable engine and building it is not allowed (or it failed): the message says what to run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKey:
+    step: str                      # text | frame | tick | ...
+    recipe: str                    # fp32 | int8-ort | int8-trt | ...
+    backend: str                   # onnxruntime | tensorrt
+    backend_version: str
+    device: str                    # what the engine is built for (device_description)
+    weights: str                   # weights_digest of the model
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # every input's name and shape
+    calibration: str | None = None  # the calibration set's hash, for int8 recipes
+
+    def digest(self) -> str:
+        fields = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(fields.encode()).hexdigest()[:16]
+
+    def folder_name(self) -> str:
+        return f"{self.step}-{self.recipe}-{self.digest()}"
+
+
+def weights_digest(module: nn.Module) -> str:
+    """SHA-256 over every parameter and buffer of `module`: name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def device_description(device: str = "cpu") -> str:
+    """The device an engine is built for: a GPU's name and compute capability, or the CPU's model and the kernels
+    oneDNN and ATen run on it (their instruction sets)."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    from vla_node.backends import cpu_features
+
+    cpuinfo = cpu_features.read_cpuinfo()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    return f"{model}; {cpu_features.describe()}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class EngineStore:
+    """Engines under `root`, one folder per key."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def folder(self, key: EngineKey) -> Path:
+        return self.root / key.folder_name()
+
+    def problem(self, key: EngineKey) -> str | None:
+        """Why the key's folder is not a usable engine (None: it is)."""
+        folder = self.folder(key)
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except FileNotFoundError:
+            return "not built"
+        except (OSError, ValueError) as e:
+            return f"unreadable manifest ({e})"
+        if not isinstance(manifest, dict) or manifest.get("key") != json.loads(json.dumps(dataclasses.asdict(key))):
+            return "manifest of another key"
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return "manifest lists no file"
+        for name, digest in files.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} missing"
+            if _sha256(path) != digest:
+                return f"{name} corrupt or truncated (its SHA-256 differs from the manifest's)"
+        return None
+
+    def get(self, key: EngineKey, build: Callable[[Path], None] | None, build_command: str) -> Path:
+        """The key's engine folder, built first (`build(folder)` writes the engine's files into `folder`) when it is
+        missing or unusable. With build=None a missing engine is an EngineStoreError naming `build_command`."""
+        folder = self.folder(key)
+        problem = self.problem(key)
+        if problem is None:
+            return folder
+        if build is None:
+            raise EngineStoreError(f"no usable {key.step} engine ({key.recipe}, {key.backend}) in {folder}: "
+                                   f"{problem}; build it with `{build_command}`")
+        if problem != "not built":
+            log.warning("engine %s: %s; rebuilding", folder, problem)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key.folder_name()}-", dir=self.root))
+        try:
+            build(tmp)
+            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            if not files:
+                raise EngineStoreError(f"building the {key.step} engine ({key.recipe}) wrote no file")
+            manifest = {"key": dataclasses.asdict(key), "files": files}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
