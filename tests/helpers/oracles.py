@@ -66,3 +66,19 @@ def measure_redundancy(frames: Iterable[np.ndarray], config: ReuseConfig, image_
         "scene_cuts": scene_cuts,
         "config": dataclasses.asdict(config),
     }
+
+
+def tick_step_case(name: str = "tiny"):
+    """A TickStep over a tiny model with seeded inputs of its static shapes: (step, inputs, outputs as computed by
+    torch), for backends that need no policy around them."""
+    from vla_node.backends.steps import TickStep
+    from vla_node.bench.engines import step_inputs
+    from vla_node.model.config import preset
+    from vla_node.model.vla import build_vla
+
+    model = build_vla(preset(name), seed=0)
+    step = TickStep(model).eval()
+    inputs = step_inputs(model.config)["tick"]
+    with torch.inference_mode():
+        outputs = dict(zip(("logits", "state_k", "state_v"), step(*inputs.values())))
+    return step, inputs, outputs
