@@ -16,9 +16,9 @@ log = logging.getLogger("vla_node")
 
 
 def cmd_init(args) -> int:
-    from vla_node.model.vla import build_vla
-    from vla_node.model.config import preset
     from vla_node.model.checkpoint import save_checkpoint
+    from vla_node.model.config import preset
+    from vla_node.model.vla import build_vla
 
     model = build_vla(preset(args.preset), seed=args.seed)
     path = save_checkpoint(model, args.out)

@@ -12,13 +12,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vla_node.model.config import PRESETS, ModelConfig
 from vla_node.kv.cache_config import CacheConfig
-from vla_node.wire.protocol import CameraSpec, ProtocolLimits
+from vla_node.model.config import PRESETS, ModelConfig
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.sched.scheduler import SchedulerConfig
-from vla_node.wire.transport import TransportConfig
 from vla_node.validate import ConfigError, choose, from_dict, is_number, require
+from vla_node.wire.protocol import CameraSpec, ProtocolLimits
+from vla_node.wire.transport import TransportConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"

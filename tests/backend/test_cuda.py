@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.model_checks import HF_CONFIGS as CONFIGS
+from helpers.model_checks import assert_incremental_equals_reference, hf_llama, storage_layout
+from helpers.model_checks import moving_band_frames as camera_frames
 from helpers.node_harness import LAUNCH_DIR, check_action, running_node, tick_count
-from helpers.model_checks import moving_band_frames as camera_frames, storage_layout
-from helpers.model_checks import HF_CONFIGS as CONFIGS, hf_llama
-from helpers.model_checks import assert_incremental_equals_reference
 from vla_node.config import load_launch
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
-from vla_node.model.checkpoint import save_checkpoint
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.model.checkpoint import save_checkpoint
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
 

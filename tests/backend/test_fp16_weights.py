@@ -7,17 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vla_node.config import ModelSection
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
+from helpers.numerics import assert_same_bins
 from vla_node.backends.fp16_weights import Fp16WeightLinear, fp16_weights_available, use_fp16_weights
 from vla_node.backends.packed_weights import packed_weights_available
+from vla_node.config import ModelSection
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.validate import ConfigError
-
-from helpers.numerics import assert_same_bins
 
 pytestmark = pytest.mark.skipif(not fp16_weights_available(), reason="fbgemm (x86-64) is not in this torch")
 

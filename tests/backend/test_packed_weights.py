@@ -8,17 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vla_node.config import ModelSection
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
+from helpers.numerics import assert_within, bf16_ulp
 from vla_node.backends import cpu_features
 from vla_node.backends.packed_weights import PackedLinear, packed_weights_available, use_packed_weights
+from vla_node.config import ModelSection
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.validate import ConfigError
-
-from helpers.numerics import assert_within, bf16_ulp
 
 needs_packed = pytest.mark.skipif(not packed_weights_available(),
                                   reason="packed bf16 weights need oneDNN running bf16 in hardware (AVX512-BF16 or "

@@ -9,11 +9,15 @@ import pytest
 
 from helpers.drive_checks import check_report
 from helpers.node_helpers import (
-    TINY_LAUNCH, EchoNode, crc, mp4_pixels, start_tiny_node,
+    TINY_LAUNCH,
+    EchoNode,
+    crc,
+    mp4_pixels,
+    start_tiny_node,
 )
 from vla_node.drives.convert import convert_video
-from vla_node.node.process import private_addresses
 from vla_node.drives.replay import replay
+from vla_node.node.process import private_addresses
 
 CLIPS = ("day_freeway_solid_white_right.mp4", "day_freeway_two_cars.mp4", "day_freeway_tree_shadows.mp4")
 

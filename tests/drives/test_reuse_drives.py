@@ -5,13 +5,12 @@ import numpy as np
 import pytest
 
 from vla_node.bench.reuse import INSTRUCTION, GatedPolicy, ego_state, load_frames, logit_rel_err
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.runtime.reuse import ReuseConfig
-
 
 CLIP = "day_freeway_solid_white_right.mp4"
 FPS = 10

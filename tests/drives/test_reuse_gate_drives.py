@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.oracles import measure_redundancy
 from helpers.paths import DRIVES_DIR
 from vla_node.runtime.reuse import ReuseConfig
-from helpers.oracles import measure_redundancy
-
 
 # ---------------------------------------------------------------------------------------------- config
 

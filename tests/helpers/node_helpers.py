@@ -15,13 +15,13 @@ import numpy as np
 import zmq
 from mcap_ros2.writer import Writer as Ros2Writer
 
-from vla_node.wire.codec import CodecError
 from vla_node.config import load_launch
-from vla_node.wire.protocol import CameraSpec, ProtocolError, decode_command, decode_frame, encode_action, encode_health
-from vla_node.node.process import NodeProcess, private_addresses
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
-from vla_node.wire.transport import NodeTransport
 from vla_node.drives.video import JpegEncoder
+from vla_node.node.process import NodeProcess, private_addresses
+from vla_node.wire.codec import CodecError
+from vla_node.wire.protocol import CameraSpec, ProtocolError, decode_command, decode_frame, encode_action, encode_health
+from vla_node.wire.transport import NodeTransport
 
 TESTS = Path(__file__).resolve().parents[1]
 TINY_LAUNCH = TESTS / "launch" / "tiny.toml"

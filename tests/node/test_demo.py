@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-
 from helpers.node_helpers import TINY_LAUNCH
 from vla_node.drives.demo import demo
 from vla_node.drives.open import open_drive
 from vla_node.report.report import REPORT_KEYS, load_report
+
+
 def test_demo_ends_with_a_report_and_says_where(tmp_path, capsys):
     out = tmp_path / "demo"
     report, json_path, html_path = demo(out, seconds=2, launch=TINY_LAUNCH, progress=False)

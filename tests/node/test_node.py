@@ -9,10 +9,16 @@ import time
 
 import pytest
 
-from helpers.node_harness import (LAUNCH_DIR, PATIENT_LAUNCH, TINY_LAUNCH, FreshLost, check_action, running_node,
-                          tick_count)
+from helpers.node_harness import (
+    LAUNCH_DIR,
+    PATIENT_LAUNCH,
+    TINY_LAUNCH,
+    FreshLost,
+    check_action,
+    running_node,
+    tick_count,
+)
 from vla_node.config import load_launch
-
 
 LAUNCH = LAUNCH_DIR / "tiny_fast_recover.toml"
 CONFIG = load_launch(LAUNCH)

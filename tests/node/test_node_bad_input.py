@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from helpers.node_harness import PATIENT_LAUNCH, running_node
-from vla_node.wire.codec import pack
 from vla_node.config import load_launch
+from vla_node.wire.codec import pack
 from vla_node.wire.protocol import REJECT_REASONS, encode_frame
-
 
 STATE_DIM = load_launch(PATIENT_LAUNCH).model.model_config().state_dim
 H, W = 48, 64

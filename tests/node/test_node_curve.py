@@ -9,7 +9,6 @@ from helpers.node_harness import PATIENT_LAUNCH, running_node
 from vla_node.wire.keys import create_keys
 
 
-
 def curve_launch(tmp_path, keys_dir) -> str:
     """tests/launch/tiny_patient.toml with [transport] curve_keys_dir added to its [transport] table."""
     text = PATIENT_LAUNCH.read_text()

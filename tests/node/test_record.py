@@ -11,8 +11,8 @@ import numpy as np
 from helpers.node_helpers import TINY_LAUNCH, crc, road_frames, start_tiny_node
 from vla_node.drives.open import DriveWriter, open_drive
 from vla_node.drives.record import record
-from vla_node.node.process import private_addresses
 from vla_node.drives.replay import replay
+from vla_node.node.process import private_addresses
 from vla_node.wire.transport import Client, TransportConfig
 
 

@@ -15,12 +15,19 @@ import pytest
 
 from helpers.drive_checks import check_report, native_drive
 from helpers.node_helpers import (
-    TINY_LAUNCH, EchoNode, crc, mp4_pixels, road_frames, start_tiny_node, write_mp4, write_ros2_bag,
+    TINY_LAUNCH,
+    EchoNode,
+    crc,
+    mp4_pixels,
+    road_frames,
+    start_tiny_node,
+    write_mp4,
+    write_ros2_bag,
 )
 from vla_node.drives.convert import convert_video
 from vla_node.drives.open import DriveError, DriveWriter, open_drive
-from vla_node.node.process import NodeProcessError, private_addresses
 from vla_node.drives.replay import replay
+from vla_node.node.process import NodeProcessError, private_addresses
 from vla_node.report.report import load_report
 
 

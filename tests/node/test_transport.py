@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
+from vla_node.validate import ConfigError, from_dict
 from vla_node.wire.codec import CodecError, pack
 from vla_node.wire.keys import create_keys, key_paths
 from vla_node.wire.protocol import (
@@ -27,8 +28,6 @@ from vla_node.wire.protocol import (
     encode_health,
 )
 from vla_node.wire.transport import OTHER_TOPICS, Client, NodeTransport, TransportConfig
-from vla_node.validate import ConfigError, from_dict
-
 
 CAMERAS = {"front": CameraSpec("front"), "wrist": CameraSpec("wrist")}
 IMAGE = (np.arange(24 * 32 * 3) % 251).astype(np.uint8).reshape(24, 32, 3)  # (H, W, 3)

@@ -5,11 +5,10 @@ import json
 
 import pytest
 
-from vla_node.bench import cache as bench_cache
 from vla_node.backends.fp16_weights import fp16_weights_available
 from vla_node.backends.packed_weights import packed_weights_available
+from vla_node.bench import cache as bench_cache
 from vla_node.validate import ConfigError
-
 
 KEYS = ("action_tick_ms", "action_tick_after_commit_ms", "vision_update_ms", "vision_update_with_tick_ms",
         "text_update_ms", "reference_step_ms", "hf_generate_ms", "kv_bytes", "vision_kv_bytes_fp16_equivalent")

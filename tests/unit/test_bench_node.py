@@ -7,7 +7,6 @@ from vla_node.config import default_launch, load_launch
 from vla_node.validate import ConfigError
 
 
-
 def test_the_default_preset_runs_cpu_toml_itself(tmp_path):
     assert launch_for(load_launch(default_launch()).model.preset, tmp_path) == default_launch()
 

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from vla_node.bench.cache import action_deviation, run_lockstep
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
 from vla_node.kv.cache_config import CacheConfig
-from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.kv.vision_config import VisionMemoryConfig
 from vla_node.model.action_head import ActionChunk
-
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.runtime.policy import MultiRatePolicy
 
 
 def small_ish(vision_frames: int = 4):

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
-
 
 TICK_NS = 20_000_000  # 50 Hz control
 INSTRUCTIONS = ("keep lane", "exit right", "stop at line")

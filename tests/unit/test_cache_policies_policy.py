@@ -12,15 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
+from helpers.numerics import assert_same_bins
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
-
-from helpers.numerics import assert_same_bins
-
 
 WINDOW = 3
 STEPS = 9

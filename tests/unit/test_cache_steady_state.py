@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
+from helpers.model_checks import moving_band_frames as camera_frames
+from helpers.model_checks import storage_layout
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
-from helpers.model_checks import moving_band_frames as camera_frames, storage_layout
 
 
 @pytest.mark.parametrize("policy_name, vision_frames, attention", [

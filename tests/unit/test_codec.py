@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from vla_node.wire.codec import ALLOWED_DTYPES, CODEC_REASONS, NDARRAY_EXT, CodecError, CodecLimits, pack, unpack
 from vla_node.validate import ConfigError
-
+from vla_node.wire.codec import ALLOWED_DTYPES, CODEC_REASONS, NDARRAY_EXT, CodecError, CodecLimits, pack, unpack
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

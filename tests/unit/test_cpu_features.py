@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from vla_node.backends import cpu_features
-from vla_node.backends.cpu_features import (aten_capability_for, cpu_flags, cpu_onednn_isa, onednn_isa_for,
-                                            onednn_isa_limit, onednn_runs_bf16_for)
+from vla_node.backends.cpu_features import (
+    aten_capability_for,
+    cpu_flags,
+    cpu_onednn_isa,
+    onednn_isa_for,
+    onednn_isa_limit,
+    onednn_runs_bf16_for,
+)
 from vla_node.backends.fp16_weights import cpu_has_bf16
 
 HEAD = "processor\t: 0\nvendor_id\t: GenuineIntel\n"

@@ -15,9 +15,9 @@ from mcap_ros2.writer import Writer as Ros2Writer
 
 from vla_node.drives.convert import convert_synthetic, convert_video
 from vla_node.drives.open import DriveError, DriveFrame, DriveWriter, open_drive
-from vla_node.progress import Progress
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.drives.video import JpegEncoder
+from vla_node.progress import Progress
 
 T0 = 1_700_000_000_000_000_000  # an absolute capture clock: readers report stamps relative to the first message
 
@@ -178,8 +178,9 @@ def write_ros2_bag(path: Path, images: dict[str, list[tuple[str, np.ndarray]]]) 
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
-    import av
     from fractions import Fraction
+
+    import av
 
     ctx = av.CodecContext.create("png", "w")
     ctx.width, ctx.height, ctx.pix_fmt, ctx.time_base = rgb.shape[1], rgb.shape[0], "rgb24", Fraction(1, 25)

@@ -6,17 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
+from helpers.model_checks import frames_and_states
+from helpers.numerics import assert_same_bins, assert_within, bf16_ulp
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy, StageAborted
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.runtime.reuse import ReuseConfig
-
-from helpers.model_checks import frames_and_states
-from helpers.numerics import assert_same_bins, assert_within, bf16_ulp
-
 
 INT8_TEXT = CacheConfig(text_dtype="int8", vision=VisionMemoryConfig(storage_dtype="fp32"))  # float vision: exact
 FLOAT_VISION = CacheConfig(vision=VisionMemoryConfig(storage_dtype="bf16"))

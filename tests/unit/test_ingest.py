@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from vla_node.wire.codec import pack
 from vla_node.node.ingest import FUTURE_TOLERANCE_NS, Ingest
+from vla_node.wire.codec import pack
 from vla_node.wire.protocol import CameraSpec, ProtocolLimits, encode_frame, encode_instruction, encode_state
 
 IMAGE = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)

@@ -9,11 +9,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, dense_attention, gather_attention, merge_state, partial_attention, segmented_attention
 from helpers.oracles import concat_segments
-from vla_node.kv.partition import KVPartition, PartitionSpec
 from vla_node.bench.attention import bench_attention
-
+from vla_node.kv.attention import (
+    GatherWorkspace,
+    Segment,
+    attention_mass,
+    dense_attention,
+    gather_attention,
+    merge_state,
+    partial_attention,
+    segmented_attention,
+)
+from vla_node.kv.partition import KVPartition, PartitionSpec
 
 TOL = 1e-5
 

@@ -9,7 +9,6 @@ from helpers.oracles import frame_ages
 from vla_node.kv import eviction as ev
 
 
-
 def meta(frames, importance):
     frame_id = torch.tensor(frames, dtype=torch.int64)
     return torch.ones(len(frames), dtype=torch.bool), frame_id, torch.tensor(importance, dtype=torch.float32)

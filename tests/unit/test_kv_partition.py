@@ -8,7 +8,6 @@ import torch
 from vla_node.kv.partition import KVPartition, PartitionSpec
 from vla_node.validate import ConfigError
 
-
 L, H, D = 3, 2, 16
 
 

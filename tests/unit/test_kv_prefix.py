@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from vla_node.kv.attention import Segment, dense_attention
 from helpers.oracles import concat_segments
+from vla_node.kv.attention import Segment, dense_attention
 from vla_node.kv.prefix import PrefixBuffer
-
 
 
 def _kv(g, n_kv, length, d):

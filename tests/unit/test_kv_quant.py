@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from vla_node.kv import quant
 
-
 SCALE_DTYPES = [torch.float16, torch.float32]
 
 

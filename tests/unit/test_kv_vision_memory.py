@@ -8,13 +8,12 @@ import math
 import pytest
 import torch
 
-from vla_node.kv.partition import KVPartition, PartitionSpec
-from vla_node.kv.vision_memory import VisionMemory
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.kv.attention import dense_attention, gather_attention, segmented_attention
 from helpers.oracles import concat_segments
+from vla_node.kv.attention import dense_attention, gather_attention, segmented_attention
+from vla_node.kv.partition import KVPartition, PartitionSpec
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.kv.vision_memory import VisionMemory
 from vla_node.validate import ConfigError, from_dict
-
 
 L, H, D = 2, 2, 16
 TPF = 8
@@ -62,9 +61,9 @@ def test_config_names_the_bad_value_and_suggests():
 def test_config_sizes_default_to_the_models_and_bound_knobs_once_known():
     """A launch file's cache.vision is read before the model is known: knobs bounded by the window and the frame
     size are checked when the policy fills those in (tiny: 4 tokens per frame)."""
-    from vla_node.model.vla import build_vla
-    from vla_node.model.config import preset
     from vla_node.kv.cache_config import CacheConfig
+    from vla_node.model.config import preset
+    from vla_node.model.vla import build_vla
     from vla_node.runtime.policy import MultiRatePolicy
 
     vision = from_dict(VisionMemoryConfig, {"policy": "tiered", "capacity_tokens": 8, "hot_tokens": 4}, "cache.vision")

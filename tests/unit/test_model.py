@@ -4,17 +4,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from helpers.model_checks import weights_digest
 from vla_node.model.action_head import ActionBins
 from vla_node.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
-from vla_node.model.config import ModelConfig
+from vla_node.model.config import ModelConfig, preset
 from vla_node.model.tokenizer import TokenizerError, decode, encode
+from vla_node.model.vla import build_vla
 from vla_node.validate import ConfigError
-from helpers.model_checks import weights_digest
 
 
 def test_save_load_round_trip_is_bit_exact(tmp_path):

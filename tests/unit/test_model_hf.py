@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from vla_node.model.vla import block_causal_mask, build_vla
+from helpers.model_checks import HF_CONFIGS as CONFIGS
+from helpers.model_checks import hf_llama
 from vla_node.model.checkpoint import save_checkpoint
-from helpers.model_checks import HF_CONFIGS as CONFIGS, hf_llama
+from vla_node.model.vla import block_causal_mask, build_vla
 
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is the oracle")
 

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
-from vla_node.kv.cache_config import CacheConfig
-from vla_node.runtime.policy import MultiRatePolicy, StageAborted
-from vla_node.runtime.reference import ReferencePolicy
 from helpers.model_checks import assert_incremental_equals_reference, frames_and_states
 from helpers.numerics import assert_same_bins
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.vision_config import VisionMemoryConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.runtime.policy import MultiRatePolicy, StageAborted
+from vla_node.runtime.reference import ReferencePolicy
 
 
 @pytest.mark.parametrize("decode", ["parallel", "autoregressive"])

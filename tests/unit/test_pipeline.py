@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.config import load_launch
 from vla_node.backends.packed_weights import PackedLinear, packed_weights_available
+from vla_node.config import load_launch
 from vla_node.node.pipeline import Pipeline
-from vla_node.wire.protocol import Frame
 from vla_node.sched.broker import TickStatus
+from vla_node.wire.protocol import Frame
 
 TINY = Path(__file__).parents[1] / "launch" / "tiny.toml"
 

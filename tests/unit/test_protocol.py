@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vla_node.validate import ConfigError
 from vla_node.wire.codec import pack
 from vla_node.wire.protocol import (
     PROTOCOL_VERSION,
@@ -33,8 +34,6 @@ from vla_node.wire.protocol import (
     encode_state,
     jpeg_size,
 )
-from vla_node.validate import ConfigError
-
 
 CAMERAS = {"front": CameraSpec("front", max_width=128, max_height=96), "wrist": CameraSpec("wrist")}
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

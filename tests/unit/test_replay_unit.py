@@ -10,13 +10,14 @@ import pytest
 
 from helpers.drive_checks import native_drive
 from helpers.node_helpers import (
-    TINY_LAUNCH, road_frames, write_ros2_bag,
+    TINY_LAUNCH,
+    road_frames,
+    write_ros2_bag,
 )
-from vla_node.drives.open import DriveError, DriveWriter
 from vla_node.cli import build_parser
+from vla_node.drives.open import DriveError, DriveWriter
 from vla_node.drives.replay import replay
 from vla_node.validate import ConfigError
-
 
 # ---- against the stand-in node: exact, deterministic -----------------------------------------------------
 

@@ -25,7 +25,6 @@ from vla_node.report.report import (
     write_report,
 )
 
-
 MS = 1_000_000
 T0 = 5_000 * 1_000_000_000  # an arbitrary CLOCK_MONOTONIC origin
 

@@ -3,14 +3,13 @@ transactional commits, and measured redundancy on real dashcam drives."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vla_node.runtime.reuse import ReuseConfig, ReuseGate, ReusePlan
 from helpers.oracles import measure_redundancy
+from vla_node.runtime.reuse import ReuseConfig, ReuseGate, ReusePlan
 from vla_node.validate import ConfigError, from_dict
 
 SIZE = 64

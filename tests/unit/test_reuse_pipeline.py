@@ -12,14 +12,13 @@ from helpers.numerics import assert_same_bins
 from vla_node.bench import reuse as bench_reuse
 from vla_node.bench.reuse import GatedPolicy, gate_tokens, load_frames, logit_rel_err
 from vla_node.drives.open import DriveWriter
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.validate import ConfigError
-
 
 INSTRUCTION = "keep lane"
 # tiny, but 64 px frames: a 4 x 4 grid of 16 px patches, so that some patches change and others do not

@@ -15,13 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vla_node.sched.budget import Budget, CostModel, FrameOutcome, StageRun
 from vla_node.sched.broker import ChunkBroker, TickStatus
+from vla_node.sched.budget import Budget, CostModel, FrameOutcome, StageRun
 from vla_node.sched.clock import ControlClock
 from vla_node.sched.ladder import FEATURES, LADDER_STEPS, Knobs, build_levels
 from vla_node.sched.scheduler import FramePlan, Scheduler, SchedulerConfig
 from vla_node.validate import ConfigError, from_dict
-
 
 MS = 1_000_000
 T0 = 1_000_000 * MS  # an arbitrary monotonic start

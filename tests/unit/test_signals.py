@@ -5,9 +5,7 @@ import signal
 import threading
 import time
 
-
 from vla_node.node.signals import SignalFlag
-
 
 
 def test_a_signal_is_recorded_and_ends_a_sleep():

@@ -18,7 +18,6 @@ from vla_node.drives.synthetic import (
 )
 from vla_node.validate import ConfigError, from_dict
 
-
 SMALL = SyntheticDriveConfig(width=160, height=120, fps=10.0, seconds=25.0, seed=7)
 
 

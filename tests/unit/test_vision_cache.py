@@ -4,15 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
-from vla_node.runtime.vision_cache import FrameTokenCache, VisionTokenCache, shared_sample, shift_reused
-from vla_node.model.vla import to_pixels
-from vla_node.kv.cache_config import CacheConfig
-from vla_node.runtime.policy import MultiRatePolicy, StageAborted
-
 from helpers.numerics import assert_within, fp32_tolerance
-
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla, to_pixels
+from vla_node.runtime.policy import MultiRatePolicy, StageAborted
+from vla_node.runtime.vision_cache import FrameTokenCache, VisionTokenCache, shared_sample, shift_reused
 
 CONFIG = preset("tiny").replace(image_size=64, vision_frames=1, state_slots=1)  # 16 tokens per frame
 

@@ -7,19 +7,18 @@ bench_attention() returns the measurements so that the default can be chosen by 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import itertools
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from vla_node.kv.dtypes import torch_dtypes
 from vla_node.kv.attention import GatherWorkspace, Segment, gather_attention, segmented_attention
+from vla_node.kv.dtypes import torch_dtypes
 
 DTYPES = torch_dtypes(("fp32", "bf16"))  # the cases timed
 

@@ -51,20 +51,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.bench.model import hf_generate_step
-from vla_node.kv.partition import KVPartition
-from vla_node.kv.vision_config import VisionMemoryConfig
-from vla_node.kv.vision_config import POLICIES
-from vla_node.model.config import ModelConfig, preset
-from vla_node.model.vla import build_vla
 from vla_node.backends.fp16_weights import cpu_has_bf16, fp16_weights_available, use_fp16_weights
 from vla_node.backends.packed_weights import packed_weights_available, use_packed_weights
-from vla_node.model.vla import VLA
-from vla_node.kv.cache_config import CacheConfig
-from vla_node.runtime.policy import MultiRatePolicy
-from vla_node.model.action_head import ActionChunk
-from vla_node.runtime.reference import ReferencePolicy
+from vla_node.bench.model import hf_generate_step
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.partition import KVPartition
+from vla_node.kv.vision_config import POLICIES, VisionMemoryConfig
+from vla_node.model.action_head import ActionChunk
+from vla_node.model.config import ModelConfig, preset
+from vla_node.model.vla import VLA, build_vla
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.reference import ReferencePolicy
 from vla_node.validate import choose, require
 
 INSTRUCTION = "keep lane, follow car"  # fits every preset (tiny: 23 bytes)

@@ -12,13 +12,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.model.vla import build_vla
-from vla_node.model.config import preset
-from vla_node.model.checkpoint import save_checkpoint
 from vla_node.backends.fp16_weights import use_fp16_weights
-from vla_node.runtime.reference import ReferencePolicy
-from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.bench.timing import time_ms
+from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
+from vla_node.model.checkpoint import save_checkpoint
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.runtime.reference import ReferencePolicy
 
 INSTRUCTION = "keep the lane, follow the car ahead"
 SHORT_INSTRUCTION = "keep lane, follow car"  # for presets whose text partition is shorter (tiny: 23 bytes)

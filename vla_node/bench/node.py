@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vla_node.wire.codec import unpack
 from vla_node.config import default_launch, load_launch
 from vla_node.model.config import preset as model_preset
 from vla_node.node.process import NodeProcess, NodeProcessError
+from vla_node.wire.codec import unpack
 from vla_node.wire.protocol import decode_action, decode_health, encode_frame
 from vla_node.wire.transport import Client, TransportConfig
 

@@ -61,15 +61,15 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from vla_node.drives.open import open_drive
-from vla_node.model.config import ModelConfig, preset as model_preset
-from vla_node.model.vla import build_vla
 from vla_node.backends.fp16_weights import fp16_weights_available, use_fp16_weights
-from vla_node.model.vla import VLA, preprocess_frame
+from vla_node.drives.open import open_drive
 from vla_node.kv.cache_config import CacheConfig
-from vla_node.runtime.policy import MultiRatePolicy, VisionUpdate
-from vla_node.progress import Progress
 from vla_node.model.action_head import ActionChunk
+from vla_node.model.config import ModelConfig
+from vla_node.model.config import preset as model_preset
+from vla_node.model.vla import VLA, build_vla, preprocess_frame
+from vla_node.progress import Progress
+from vla_node.runtime.policy import MultiRatePolicy, VisionUpdate
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.runtime.reuse import ReuseConfig, ReuseGate, ReusePlan
 from vla_node.validate import require

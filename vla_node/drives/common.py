@@ -16,7 +16,7 @@ import numpy as np
 from mcap.reader import NonSeekingReader, make_reader
 from mcap.records import Channel, Schema
 
-from vla_node.drives.video import DriveError, one_line, decode_image
+from vla_node.drives.video import DriveError, decode_image, one_line
 
 MCAP_MAGIC = b"\x89MCAP0\r\n"
 

@@ -15,9 +15,9 @@ from typing import Iterator
 import numpy as np
 
 from vla_node.drives.native import DriveWriter
-from vla_node.progress import Progress
 from vla_node.drives.synthetic import SyntheticDrive, SyntheticDriveConfig
 from vla_node.drives.video import JpegEncoder, decode_video, probe_video, resampled_count
+from vla_node.progress import Progress
 
 ENCODINGS = ("rgb8", "jpeg")
 

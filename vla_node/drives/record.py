@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import zmq
 
-from vla_node.wire.codec import CodecError, unpack
 from vla_node.drives.open import DriveWriter
 from vla_node.progress import Progress
+from vla_node.validate import ConfigError, is_number, require
+from vla_node.wire.codec import CodecError, unpack
 from vla_node.wire.protocol import (
     ACTION_TOPIC,
     COMMAND_TOPICS,
@@ -46,7 +47,6 @@ from vla_node.wire.protocol import (
     decode_health,
     jpeg_size,
 )
-from vla_node.validate import ConfigError, is_number, require
 
 if TYPE_CHECKING:
     from vla_node.config import NodeConfig

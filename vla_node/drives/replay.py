@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from vla_node.drives.open import DriveError, DriveMessage, DriveReader, open_drive
-from vla_node.node.process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
-from vla_node.progress import Progress
 from vla_node.drives.replay_threads import Prefetch, Receiver
-from vla_node.report.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
+from vla_node.node.process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
 from vla_node.node.signals import ExitOn, SignalFlag
-from vla_node.wire.transport import Client, TransportConfig
+from vla_node.progress import Progress
+from vla_node.report.report import ActionRecord, FrameRecord, RunMeta, build_report, format_summary, write_report
 from vla_node.validate import ConfigError, require
+from vla_node.wire.transport import Client, TransportConfig
 
 if TYPE_CHECKING:
     from vla_node.config import NodeConfig

@@ -12,8 +12,8 @@ from typing import Any, Iterator, Mapping
 import zmq
 
 from vla_node.drives.open import DriveFrame, DriveMessage, DriveReader
-from vla_node.wire.protocol import ProtocolError, decode_action, decode_health
 from vla_node.report.report import ActionRecord
+from vla_node.wire.protocol import ProtocolError, decode_action, decode_health
 from vla_node.wire.transport import Client
 
 PREFETCH_DEPTH = 8  # drive items decoded ahead of the sender

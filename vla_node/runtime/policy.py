@@ -28,19 +28,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.kv.attention import GatherWorkspace, Segment
-from vla_node.kv.partition import KVPartition, PartitionSpec
-from vla_node.kv.vision_memory import VisionMemory
-from vla_node.kv.attention import attention_mass, gather_attention, segmented_attention
-from vla_node.kv.partition import resolve_device
-from vla_node.kv.prefix import PrefixBuffer
-from vla_node.model.action_head import ActionBins
-from vla_node.model.tokenizer import encode
-from vla_node.runtime.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
-from vla_node.model.vla import VLA, preprocess_frame, to_pixels
-from vla_node.model.action_head import ActionChunk, check_state
+from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.partition import KVPartition, PartitionSpec, resolve_device
+from vla_node.kv.prefix import PrefixBuffer
+from vla_node.kv.vision_memory import VisionMemory
+from vla_node.model.action_head import ActionBins, ActionChunk, check_state
+from vla_node.model.tokenizer import encode
+from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.runtime.reuse import ReuseConfig
+from vla_node.runtime.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
 
 Check = Callable[[float], bool]  # called with the fraction of the stage done; False = stop now (out of budget)
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")

@@ -57,6 +57,7 @@ from typing import Mapping
 
 import numpy as np
 
+from vla_node.sched.broker import ChunkBroker
 from vla_node.sched.budget import (
     MAX_HISTORY,
     NS_PER_MS,
@@ -65,10 +66,8 @@ from vla_node.sched.budget import (
     CostModel,
     FrameOutcome,
 )
-from vla_node.sched.broker import ChunkBroker
 from vla_node.sched.ladder import LADDER_STEPS, Knobs, Level, build_levels, check_ladder
 from vla_node.validate import ConfigError, did_you_mean, is_int, is_number, require
-
 
 MAIN_PRIORS: tuple[str, ...] = ("text", "vision", "action")
 SMALL_PRIORS: tuple[str, ...] = ("small_text", "small_vision", "small_action")

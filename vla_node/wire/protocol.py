@@ -33,8 +33,8 @@ from typing import Any, Mapping, Sequence
 import av
 import numpy as np
 
-from vla_node.wire.codec import CodecError, CodecLimits, pack, unpack
 from vla_node.validate import require
+from vla_node.wire.codec import CodecError, CodecLimits, pack, unpack
 
 PROTOCOL_VERSION = 1
 

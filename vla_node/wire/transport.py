@@ -20,7 +20,6 @@ independent of bind/connect in libzmq, so this works in both directions (tests/n
 from __future__ import annotations
 
 import collections
-
 import ipaddress
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Any, Collection
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from vla_node.validate import require
 from vla_node.wire.keys import key_paths, load_public, load_secret_pair
 from vla_node.wire.protocol import (
     ACTION_TOPIC,
@@ -46,7 +46,6 @@ from vla_node.wire.protocol import (
     encode_instruction,
     encode_state,
 )
-from vla_node.validate import require
 
 log = logging.getLogger(__name__)
 
