@@ -15,7 +15,8 @@ from vla_node.sched.broker import ChunkBroker, TickStatus
 
 WORKER_OWNED = {"pipeline", "ingest", "frame_topics"}
 # what the publisher may touch: its own settings and counters, the broker, the transport's output side
-PUBLISHER_MAY_TOUCH = {"config", "clock", "broker", "transport", "seq", "started_ns", "stop_event", "health"}
+PUBLISHER_MAY_TOUCH = {"config", "clock", "broker", "transport", "seq", "started_ns", "stop_event", "health",
+                       "_level"}
 
 
 def self_attributes(function) -> set[str]:
@@ -25,7 +26,7 @@ def self_attributes(function) -> set[str]:
 
 
 def test_the_publisher_thread_touches_only_the_broker_of_the_workers_state():
-    touched = self_attributes(Node._publisher_loop) | self_attributes(Node.health)
+    touched = self_attributes(Node._publisher_loop) | self_attributes(Node.health) | self_attributes(Node._level)
     assert not touched & WORKER_OWNED, touched & WORKER_OWNED
     assert touched <= PUBLISHER_MAY_TOUCH, touched - PUBLISHER_MAY_TOUCH
     assert "pipeline" in self_attributes(Node._worker_loop) | self_attributes(Node._worker_status)

@@ -146,7 +146,7 @@ class Node:
             out = broker.next(clock.scheduled_ns)  # steps count on the tick grid, not the jittered wake-up
             self.transport.publish_action(encode_action(
                 seq=self.seq, stamp_ns=now, frame_seq=out.frame_seq, frame_stamp_ns=out.frame_stamp_ns,
-                status=out.status.value, level=0 if out.level is None else out.level,
+                status=out.status.value, level=self._level(out.level),
                 action=out.action.tolist(), chunk=[] if out.chunk is None else out.chunk.tolist(),
                 timing_ms=dict(out.timing_ms or {}), tokens_refreshed=out.tokens_refreshed,
                 reuse_ratio=out.reuse_ratio,
@@ -155,6 +155,13 @@ class Node:
             if now >= next_health:
                 self.transport.publish_health(encode_health(self.health(now, clock), stamp_ns=now))
                 next_health = now + health_period
+
+    def _level(self, chunk_level: int | None) -> int:
+        """The level a tick reports: its chunk's (or the withdrawn one's); before any, the worker's last posted."""
+        if chunk_level is not None:
+            return chunk_level
+        worker, _ = self.broker.status()
+        return 0 if worker is None else worker["level"]
 
     def health(self, now: int, clock: ControlClock) -> dict:
         """The health message: the worker's latest posted figures, and the publisher's own."""
