@@ -96,12 +96,12 @@ class Node:
             drop_realtime_priority()  # SCHED_FIFO is the publisher's alone
         transport, ingest, pipeline = self.transport, self.ingest, self.pipeline
         period = int(self.config.health.period_s * 1e9)
-        next_status = self.clock()
+        posted = self.clock() - period  # the first figures cover one nominal period
         while not self.stop_event.is_set():
-            if self.clock() >= next_status:
+            if self.clock() - posted >= period:
                 now = self.clock()
-                self.broker.post_status(self._worker_status(now), now)
-                next_status = now + period
+                self.broker.post_status(self._worker_status(now, (now - posted) / 1e9), now)
+                posted = now
             if not transport.poll(5):
                 continue
             commands, frames = transport.drain_commands(), transport.drain_frame_messages(self.frame_topics)
@@ -111,12 +111,13 @@ class Node:
             if ingest.ready():
                 pipeline.process(ingest.take(), ingest.instruction, ingest.state)
 
-    def _worker_status(self, now: int) -> dict:
-        """The worker's figures for health (taken in the worker thread, posted through the broker)."""
+    def _worker_status(self, now: int, elapsed_s: float) -> dict:
+        """The worker's figures for health (taken in the worker thread, posted through the broker); camera rates
+        over the `elapsed_s` since the last post (a long frame can delay a post past its period)."""
         cfg = self.config.health
         pipeline = self.pipeline
         sched = pipeline.scheduler.health()
-        ingest = self.ingest.health(now, cfg.period_s, int(cfg.camera_timeout_ms * 1e6), cfg.min_camera_hz)
+        ingest = self.ingest.health(now, elapsed_s, int(cfg.camera_timeout_ms * 1e6), cfg.min_camera_hz)
         return {
             "level": sched.level, "level_name": sched.level_name,
             "scheduler": {k: getattr(sched, k) for k in sched.__dataclass_fields__},
