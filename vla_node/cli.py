@@ -29,36 +29,46 @@ def cmd_init(args) -> int:
 
 def given(args, *names: str) -> dict:
     """The flags the user gave (not None), as keyword arguments: every default is the called function's own."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def bench_kwargs(args, preset_keyword: str | None, *names: str) -> dict:
+    """The benchmark's keyword arguments from the flags given (--preset and --json before or after its name)."""
+    kwargs = given(args, "json_path", *names)
+    if getattr(args, "preset", None) is not None:
+        if preset_keyword is None:
+            raise ConfigError(f"bench {args.what}: --preset does not apply (it times fixed shapes)")
+        kwargs[preset_keyword] = args.preset
+    return kwargs
 
 
 def cmd_bench(args) -> int:
     if args.what == "model":
         from vla_node.bench import model
 
-        model.run(args.preset, json_path=args.json, **given(args, "iters", "threads"))
+        model.run(**bench_kwargs(args, "preset_name", "iters", "threads"))
     elif args.what == "cache":
         from vla_node.bench import cache
 
-        cache.run(args.preset, json_path=args.json, **given(args, "iters", "threads", "compute_dtype", "weights"))
+        cache.run(**bench_kwargs(args, "preset_name", "iters", "threads", "compute_dtype", "weights"))
     elif args.what == "node":
         from vla_node.bench import node
 
-        node.run(args.preset, json_path=args.json, **given(args, "seconds", "launch"))
+        node.run(**bench_kwargs(args, "preset", "seconds", "launch"))
     elif args.what == "engines":
         from vla_node.bench import engines
 
-        engines.run(args.preset, json_path=args.json, **given(args, "iters", "threads"))
+        engines.run(**bench_kwargs(args, "preset_name", "iters", "threads"))
     elif args.what == "attention":
         from vla_node.bench import attention
 
-        attention.run(json_path=args.json, **given(args, "threads"))
+        attention.run(**bench_kwargs(args, None, "threads"))
     else:
         from vla_node.bench import reuse
 
-        reuse.run(args.drives, preset=args.preset, json_path=args.json,
-                  **given(args, "thresholds", "rates", "max_frames", "cache", "pixel_floor", "weights", "layer_budget",
-                          "shared_drift_samples", "max_age", "threads"))
+        reuse.run(args.drives, **bench_kwargs(args, "preset", "thresholds", "rates", "max_frames", "cache",
+                                               "pixel_floor", "weights", "layer_budget", "shared_drift_samples",
+                                               "max_age", "threads"))
     return 0
 
 
@@ -235,6 +245,7 @@ def add_drive_commands(sub) -> None:
 def add_bench_commands(sub) -> None:
     """bench model | cache | node | engines | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    add_bench_shared(p)
     bench = p.add_subparsers(dest="what", required=True)
     q = bench_parser(bench, "model", "our cached policy against the reference and transformers' generate")
     q.add_argument("--iters", type=int, help="timed rounds (default 5)")
@@ -279,10 +290,15 @@ def add_bench_commands(sub) -> None:
 
 def bench_parser(bench, name: str, help_text: str) -> argparse.ArgumentParser:
     q = bench.add_parser(name, help=help_text)
-    q.add_argument("--preset", default="small", help="model preset (default small)")
-    q.add_argument("--json", help="also write the figures to this JSON file")
+    add_bench_shared(q)
     q.set_defaults(func=cmd_bench)
     return q
+
+
+def add_bench_shared(q: argparse.ArgumentParser) -> None:
+    """--preset and --json, taken before or after the benchmark's name (not set: the benchmark's own default)."""
+    q.add_argument("--preset", default=argparse.SUPPRESS, help="model preset (default small)")
+    q.add_argument("--json", dest="json_path", default=argparse.SUPPRESS, help="also write the figures to this JSON file")
 
 
 def add_threads(q: argparse.ArgumentParser) -> None:

@@ -91,11 +91,11 @@ def test_bench_reuse_takes_every_flag_of_its_run_function(monkeypatch):
     args = build_parser().parse_args(["bench", "reuse", "a.mp4", "--thresholds", "1", "3", "--rates", "native", "5",
                                       "--max-frames", "4", "--cache", "exact", "--pixel-floor", "--weights", "fp32",
                                       "--layer-budget", "1.5", "--shared-drift-samples", "2", "--max-age", "3",
-                                      "--threads", "1", "--preset", "tiny"])
+                                      "--threads", "1", "--preset", "tiny", "--json", "out.json"])
     args.func(args)
     (positional, kwargs), = calls
     assert positional == (["a.mp4"],)
-    assert kwargs == {"preset": "tiny", "json_path": None, "thresholds": [1.0, 3.0], "rates": ["native", 5.0],
+    assert kwargs == {"preset": "tiny", "json_path": "out.json", "thresholds": [1.0, 3.0], "rates": ["native", 5.0],
                       "max_frames": 4, "cache": "exact", "pixel_floor": True, "weights": "fp32", "layer_budget": 1.5,
                       "shared_drift_samples": 2, "max_age": 3, "threads": 1}
     assert params - set(kwargs) == {"drives", "seed", "progress"}, params - set(kwargs)
@@ -107,3 +107,20 @@ def test_bench_model_runs_on_a_preset_with_a_short_text_partition(tmp_path):
 
     result = bench_model.run("tiny", iters=1, iters_bf16=1, json_path=str(tmp_path / "model.json"))
     assert all(result[key] > 0 for key in ("reference_fp32_ms", "reference_bf16_ms", "hf_generate_ms"))
+
+
+def test_a_benchs_preset_and_json_go_before_or_after_its_name_and_its_defaults_stay_its_own(monkeypatch, capsys):
+    from vla_node.bench import model
+    from vla_node.cli import build_parser, main
+
+    calls = []
+    monkeypatch.setattr(model, "run", lambda **kwargs: calls.append(kwargs))
+    for argv in (["bench", "--preset", "tiny", "--json", "m.json", "model"],
+                 ["bench", "model", "--preset", "tiny", "--json", "m.json"]):
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    args = build_parser().parse_args(["bench", "model"])
+    args.func(args)
+    assert calls == [{"preset_name": "tiny", "json_path": "m.json"}] * 2 + [{}]
+    assert main(["bench", "attention", "--preset", "tiny"]) == 2
+    assert "bench attention: --preset does not apply" in capsys.readouterr().err

@@ -46,3 +46,30 @@ def test_a_frames_figures_travel_with_its_chunk_and_the_workers_status_with_its_
     status = {"frames_processed": 3}
     broker.post_status(status, 5_000)
     assert broker.status() == (status, 5_000)
+
+
+def test_figures_of_a_stalled_worker_say_no_camera_is_alive():
+    """health() on the publisher's side: the worker's posted figures, and once they are older than the camera
+    timeout every camera not alive (a stalled worker learns of no frame)."""
+    from types import SimpleNamespace
+
+    from helpers.paths import TEST_LAUNCH_DIR
+    from vla_node.config import load_launch
+    from vla_node.sched.clock import ControlClock
+
+    config = load_launch(TEST_LAUNCH_DIR / "tiny.toml")
+    node = Node.__new__(Node)  # the publisher's side only: no model, no sockets
+    node.config, node.started_ns = config, 0
+    node.broker = ChunkBroker(2, 3, period_ns=20_000_000, late_after_ns=100_000_000)
+    node.transport = SimpleNamespace(publish_dropped=0)
+    camera = {"alive": True, "rate_ok": True, "rate_hz": 10.0}
+    node.broker.post_status({"level": 2, "cameras": {"front": camera}, "reconnects": 1}, 1_000_000_000)
+    clock = ControlClock(20_000_000, 0)
+    fresh = node.health(1_100_000_000, clock)
+    assert fresh["level"] == 2 and fresh["cameras"]["front"]["alive"] and fresh["transport"]["reconnects"] == 1
+    assert fresh["worker_age_ms"] == 100.0
+    timeout_ns = int(config.health.camera_timeout_ms * 1e6)
+    stale = node.health(1_000_000_000 + timeout_ns + 1, clock)
+    assert stale["cameras"]["front"] == {"alive": False, "rate_ok": False, "rate_hz": 10.0}
+    assert camera["alive"]  # the posted figures themselves are not changed
+    assert node._level(None) == 2 and node._level(0) == 0

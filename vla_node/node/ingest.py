@@ -39,7 +39,7 @@ class CameraStats:
     dropped: int = 0  # superseded by a newer frame before the model saw it (in the queue or unprocessed)
     last_arrival_ns: int | None = None
     last_seq: int | None = None
-    reported: int = 0  # `received` at the last health report (read by the publisher: the worker never writes it)
+    reported: int = 0  # `received` at the last health figures (the worker takes them; nothing else writes it)
 
 
 class Ingest:

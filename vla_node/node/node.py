@@ -165,10 +165,14 @@ class Node:
         return 0 if worker is None else worker["level"]
 
     def health(self, now: int, clock: ControlClock) -> dict:
-        """The health message: the worker's latest posted figures, and the publisher's own."""
+        """The health message: the worker's latest posted figures, and the publisher's own. Figures older than the
+        camera timeout (a stalled worker) say no camera is alive: nothing is known to arrive."""
         worker, worker_ns = self.broker.status()
         worker = dict(worker or {})
         reconnects = worker.pop("reconnects", 0)
+        if worker_ns and now - worker_ns > self.config.health.camera_timeout_ms * 1e6:
+            worker["cameras"] = {name: {**cam, "alive": False, "rate_ok": False}
+                                 for name, cam in worker.get("cameras", {}).items()}
         model = self.config.model
         return {
             "uptime_s": round((now - self.started_ns) / 1e9, 3),
