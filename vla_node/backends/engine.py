@@ -30,6 +30,12 @@ class Engine(Protocol):
         """Compute the outputs of `inputs` into `outputs` (every name, the shapes and dtypes bound)."""
 
 
+def buffer_signature(inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> tuple:
+    """(name, pointer, shape, dtype) of every bound tensor: a binding holds while this stays the same."""
+    return tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in [*sorted(inputs.items()),
+                                                                          *sorted(outputs.items())])
+
+
 def _check_names(what: str, given: Mapping[str, torch.Tensor], expected: Sequence[str]) -> None:
     if set(given) != set(expected):
         raise ValueError(f"{what} {sorted(given)}: expected exactly {sorted(expected)}")
@@ -65,7 +71,7 @@ class OnnxRuntimeEngine:
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self._binding = self.session.io_binding()
-        self._bound: tuple | None = None  # (name, pointer, shape, dtype) of every bound tensor
+        self._bound: tuple | None = None  # buffer_signature of the bound tensors
 
     def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
         _check_names("inputs", inputs, self.input_names)
@@ -78,13 +84,9 @@ class OnnxRuntimeEngine:
                 raise ValueError(f"{name}: a contiguous CPU tensor of {sorted(map(str, _NUMPY))} expected, got "
                                  f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
             bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-        self._bound = self._signature(inputs, outputs)
-
-    def _signature(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> tuple:
-        return tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in [*sorted(inputs.items()),
-                                                                              *sorted(outputs.items())])
+        self._bound = buffer_signature(inputs, outputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        if self._bound is None or self._signature(inputs, outputs) != self._bound:
+        if buffer_signature(inputs, outputs) != self._bound:
             self.bind(inputs, outputs)
         self.session.run_with_iobinding(self._binding)

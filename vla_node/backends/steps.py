@@ -20,7 +20,6 @@ import math
 import torch
 from torch import nn
 
-from vla_node.model.decoder import LlamaDecoderLayer
 from vla_node.model.vla import VLA
 
 
@@ -45,10 +44,8 @@ class DecoderBlockStep(nn.Module):
 
     def __init__(self, model: VLA) -> None:
         super().__init__()
-        self.layers: list[LlamaDecoderLayer] = list(model.decoder.model.layers)
+        self.layers = model.decoder.model.layers  # the model's ModuleList: export sees its weights as parameters
         self.rope = model.decoder.rope
-        for i, layer in enumerate(self.layers):  # registered so that export sees the weights as parameters
-            self.add_module(f"layer{i}", layer)
 
     def run_block(self, x: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
                   bias: torch.Tensor, output: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

@@ -16,6 +16,8 @@ from typing import Mapping
 
 import torch
 
+from vla_node.backends.engine import buffer_signature
+
 WORKSPACE_BYTES = 1 << 30
 
 
@@ -90,14 +92,11 @@ class TensorRTEngine:
             if name in inputs:
                 self.context.set_input_shape(name, tuple(tensor.shape))
             self.context.set_tensor_address(name, tensor.data_ptr())
-        self._bound = tuple((n, t.data_ptr(), tuple(t.shape)) for n, t in [*sorted(inputs.items()),
-                                                                            *sorted(outputs.items())])
+        self._bound = buffer_signature(inputs, outputs)
         self._graph = None
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        signature = tuple((n, t.data_ptr(), tuple(t.shape)) for n, t in [*sorted(inputs.items()),
-                                                                          *sorted(outputs.items())])
-        if signature != self._bound:
+        if buffer_signature(inputs, outputs) != self._bound:
             self._bind(inputs, outputs)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):

@@ -56,6 +56,7 @@ from vla_node.backends.packed_weights import packed_weights_available, use_packe
 from vla_node.bench.model import hf_generate_step
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.kv.cache_config import CacheConfig
+from vla_node.kv.dtypes import torch_dtypes
 from vla_node.kv.partition import KVPartition
 from vla_node.kv.vision_config import POLICIES, VisionMemoryConfig
 from vla_node.model.action_head import ActionChunk
@@ -67,7 +68,7 @@ from vla_node.validate import choose, require
 
 INSTRUCTION = "keep lane, follow car"  # fits every preset (tiny: 23 bytes)
 SECOND_INSTRUCTION = "exit, merge right"
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = torch_dtypes(("fp32", "bf16"))
 TARGETS = {"reference_step_over_action_tick": 10.0, "hf_generate_over_vision_update_plus_action_tick": 3.0}
 # each target's ratio as (numerator cases, denominator cases), summed per round: the per-round spread of a ratio
 # shows how far the machine's noise moves it within one run
