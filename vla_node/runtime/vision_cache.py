@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from vla_node.backends.refresh_rows import shared_sample
 from vla_node.model.vision import VisionTower, softmax_attention
 
 if TYPE_CHECKING:
@@ -87,21 +88,6 @@ def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None
             top = drift.masked_fill(mask, 0.0).topk(extra)  # the most drifted rows not selected yet
             mask[top.indices[top.values > 0]] = True
     return mask.nonzero().flatten()
-
-
-def shared_sample(rows: torch.Tensor, samples: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows sorted int64 [n] to recompute; adds up to `samples` evenly spaced tokens of the rest (the reused ones), so
-    that their change can be measured. mask bool [T] is scratch. Returns (rows and sample, sorted int64 [n'], the
-    sample int64 [s])."""
-    mask.zero_()
-    mask[rows] = True
-    reused = mask.logical_not().nonzero().flatten()  # [T - n]
-    if samples == 0 or reused.numel() == 0:
-        return rows, reused[:0]
-    pick = torch.linspace(0, reused.numel() - 1, min(samples, reused.numel())).round().long().unique()
-    sample = reused[pick]
-    mask[sample] = True
-    return mask.nonzero().flatten(), sample
 
 
 def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
