@@ -16,13 +16,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
+
+from vla_node.backends.folders import replaced_folder, sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -76,14 +76,6 @@ def device_description(device: str = "cpu") -> str:
     return f"{model}; {cpu_features.describe()}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class EngineStore:
     """Engines under `root`, one folder per key."""
 
@@ -111,7 +103,7 @@ class EngineStore:
             path = folder / name
             if not path.is_file():
                 return f"{name} missing"
-            if _sha256(path) != digest:
+            if sha256(path) != digest:
                 return f"{name} corrupt or truncated (its SHA-256 differs from the manifest's)"
         return None
 
@@ -127,19 +119,11 @@ class EngineStore:
                                    f"{problem}; build it with `{build_command}`")
         if problem != "not built":
             log.warning("engine %s: %s; rebuilding", folder, problem)
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key.folder_name()}-", dir=self.root))
-        try:
+        with replaced_folder(folder) as tmp:
             build(tmp)
-            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             if not files:
                 raise EngineStoreError(f"building the {key.step} engine ({key.recipe}) wrote no file")
             manifest = {"key": dataclasses.asdict(key), "files": files}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            if folder.exists():
-                shutil.rmtree(folder)
-            tmp.rename(folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return folder
