@@ -94,10 +94,45 @@ def launch_config(args):
 
 
 def cmd_run(args) -> int:
+    import dataclasses
+
     from vla_node.node.node import Node
 
     config = launch_config(args)
+    if args.no_build:
+        config = config.replace(model=dataclasses.replace(config.model, build_engines=False))
     return Node(config).run()
+
+
+def cmd_build_engines(args) -> int:
+    """Export, quantize, check and store every engine the launch file's node runs (and its smaller engine's)."""
+    import dataclasses
+
+    from vla_node.backends.loading import load_model
+    from vla_node.config import load_launch
+    from vla_node.model.config import preset
+    from vla_node.node.policies import engine_set, resolve_backend
+
+    config = load_launch(args.launch)
+    section = dataclasses.replace(config.model, **given(args, "backend", "recipe"))
+    if section.backend == "torch":
+        raise ConfigError("backend 'torch' runs the eager policy: no engines to build (pass --backend onnxruntime, "
+                          "tensorrt or cudagraph)")
+    config = config.replace(model=dataclasses.replace(section, fallback=()))
+    choice = resolve_backend(config)  # a one-line error where this machine cannot run the backend
+    models = {"main": load_model(section.model_config(), "plain", section.checkpoint, section.seed)}
+    if config.scheduler.smaller_preset is not None:
+        shapes = preset(config.scheduler.smaller_preset).replace(
+            max_text_tokens=models["main"].config.max_text_tokens)
+        models["smaller"] = load_model(shapes, "plain", seed=section.seed)
+    builds = [(role, model, choice.recipe) for role, model in models.items()]
+    if config.scheduler.smaller_recipe is not None:
+        builds.append(("smaller", models["main"], config.scheduler.smaller_recipe))
+    for role, model, recipe in builds:
+        print(f"{role} engine ({model.config.name}): {choice.backend}, {recipe} into {section.engines_dir}/")
+        engine_set(config, model, choice.backend, recipe, build=True, launch=args.launch,
+                   progress=lambda line: print(f"  {line}", flush=True))
+    return 0
 
 
 def cmd_keys(args) -> int:
@@ -181,8 +216,16 @@ def add_node_commands(sub) -> None:
 
     p = sub.add_parser("run", help="run the node")
     p.add_argument("--launch", help="TOML launch file (default launch/cpu.toml)")
+    p.add_argument("--no-build", action="store_true",
+                   help="refuse to start when an engine is missing or stale (instead of building it)")
     add_address_options(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("build-engines", help="export, quantize, check and store the engines a launch file runs")
+    p.add_argument("--launch", required=True, help="TOML launch file")
+    p.add_argument("--backend", help="onnxruntime | tensorrt | cudagraph (default: the launch file's)")
+    p.add_argument("--recipe", help="fp32 | int8-ort | int8-trt (default: the launch file's)")
+    p.set_defaults(func=cmd_build_engines)
 
     p = sub.add_parser("keys", help="create CURVE server and client keys")
     p.add_argument("--out", required=True, help="directory to create")

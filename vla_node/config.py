@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vla_node.kv.cache_config import CacheConfig
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "cudagraph")  # as backends/engine_set.BACKENDS (checked by a test)
+RECIPES = ("fp32", "int8-ort", "int8-trt")  # the engines' recipes (backends/quantize.RECIPES)
 from vla_node.model.config import PRESETS, ModelConfig
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.sched.scheduler import SchedulerConfig
@@ -37,7 +40,15 @@ class ModelSection:
     # compute on an x86 CPU, packed with bf16 compute on a CPU that has it; else the compute dtype)
     weights: str = "fp32"
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N
-    backend: str = "torch"  # torch (the only backend of this release)
+    # torch: the eager policy (every configuration; weights as `weights` says) | onnxruntime | tensorrt | cudagraph:
+    # the policy's steps as engines (runtime/engine_policy.py), resolved once at start, the first of backend and
+    # `fallback` that this machine and configuration can run
+    backend: str = "torch"
+    fallback: tuple[str, ...] = ()  # backends tried in order when `backend` cannot run here (e.g. ["onnxruntime", "torch"])
+    recipe: str = "fp32"  # engines' precision: fp32 | int8-ort (ONNX Runtime's fastest int8) | int8-trt (symmetric s8 Q/DQ)
+    engines_dir: str = "engines"  # the engine store (relative paths: to the working directory)
+    calibration: str = "calib"  # int8-trt: the calibration sets' folder (`vla-node calibrate` writes calib/<model-hash>/)
+    build_engines: bool = True  # build missing or stale engines at start (false: refuse, naming the command)
     threads: int = 1  # torch intra-op threads; 0 = torch's default
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
     vision_frames: int | None = None  # frames kept in the vision memory; None: the model's (positions only)
@@ -64,7 +75,11 @@ class ModelSection:
                     "on the CPU)")
             require(packed_weights_available(), "model.weights", self.weights,
                     "'fp32' here: packed bf16 weights need oneDNN and a CPU with bf16 hardware (AVX512-BF16 or AMX)")
-        require(self.backend == "torch", "model.backend", self.backend, "'torch'")
+        for key, value in (("model.backend", self.backend), *(("model.fallback", b) for b in self.fallback)):
+            choose(key, value, {b: b for b in BACKENDS})
+        require(self.recipe in RECIPES, "model.recipe", self.recipe, f"one of {list(RECIPES)}")
+        require(isinstance(self.engines_dir, str) and self.engines_dir != "", "model.engines_dir", self.engines_dir,
+                "a folder path")
         require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                 "model.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")

@@ -15,7 +15,7 @@ from vla_node.sched.broker import ChunkBroker, TickStatus
 
 WORKER_OWNED = {"pipeline", "ingest", "frame_topics"}
 # what the publisher may touch: its own settings and counters, the broker, the transport's output side
-PUBLISHER_MAY_TOUCH = {"config", "clock", "broker", "transport", "seq", "started_ns", "stop_event", "health",
+PUBLISHER_MAY_TOUCH = {"config", "backend", "clock", "broker", "transport", "seq", "started_ns", "stop_event", "health",
                        "_level"}
 
 
@@ -55,6 +55,7 @@ def test_figures_of_a_stalled_worker_say_no_camera_is_alive():
 
     from helpers.paths import TEST_LAUNCH_DIR
     from vla_node.config import load_launch
+    from vla_node.node.policies import BackendChoice
     from vla_node.sched.clock import ControlClock
 
     config = load_launch(TEST_LAUNCH_DIR / "tiny.toml")
@@ -62,6 +63,7 @@ def test_figures_of_a_stalled_worker_say_no_camera_is_alive():
     node.config, node.started_ns = config, 0
     node.broker = ChunkBroker(2, 3, period_ns=20_000_000, late_after_ns=100_000_000)
     node.transport = SimpleNamespace(publish_dropped=0)
+    node.backend = BackendChoice("torch", "fp32 weights")
     camera = {"alive": True, "rate_ok": True, "rate_hz": 10.0}
     node.broker.post_status({"level": 2, "cameras": {"front": camera}, "reconnects": 1}, 1_000_000_000)
     clock = ControlClock(20_000_000, 0)

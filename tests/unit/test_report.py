@@ -57,7 +57,8 @@ def test_report_has_exactly_the_documented_keys():
     report = build_report([frame(0, 10.0)], ticks(3), meta())
     assert list(report) == list(REPORT_KEYS)
     assert set(report) == {
-        "drive", "model", "backend", "frames_sent", "frames_processed", "frames_dropped", "actions", "control_hz",
+        "drive", "model", "backend", "recipe", "frames_sent", "frames_processed", "frames_dropped", "actions",
+        "control_hz",
         "deadline_ms", "latency_ms", "control_jitter_ms", "deadline_misses", "status_counts", "degrade_levels",
         "vision_reuse_ratio", "kv_bytes",
     }

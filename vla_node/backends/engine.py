@@ -56,11 +56,13 @@ class TorchEngine:
 
 
 class OnnxRuntimeEngine:
-    """An exported step in ONNX Runtime. `bind(inputs, outputs)` binds the caller's CPU tensors by pointer once;
-    `run` then executes with nothing copied. A new set of tensors (another pointer, shape or dtype) is bound anew
-    by `run` itself. `threads`: intra-op threads (1: one core, no spinning)."""
+    """An exported step in ONNX Runtime, run on the caller's CPU tensors bound by pointer (IOBinding): nothing is
+    copied or allocated per call. A binding is made per set of tensors (pointers, shapes, dtypes) the first time it
+    is passed and kept (at most `max_bindings`): a caller alternating between two sets of buffers (a live and a
+    staged state that swap on commit) binds each once. `threads`: intra-op threads (1: one core, no spinning)."""
 
-    def __init__(self, path: str | Path, threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 max_bindings: int = 4) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -70,23 +72,27 @@ class OnnxRuntimeEngine:
         self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
-        self._binding = self.session.io_binding()
-        self._bound: tuple | None = None  # buffer_signature of the bound tensors
+        self.max_bindings = max_bindings
+        self.bindings: dict[tuple, object] = {}  # buffer_signature -> its IOBinding
 
-    def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+    def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]):
+        """A new IOBinding of the caller's tensors (checked: names, device, layout, dtype)."""
         _check_names("inputs", inputs, self.input_names)
         _check_names("outputs", outputs, self.output_names)
-        self._binding.clear_binding_inputs()
-        self._binding.clear_binding_outputs()
-        for name, tensor, bind in ([(n, inputs[n], self._binding.bind_input) for n in self.input_names]
-                                   + [(n, outputs[n], self._binding.bind_output) for n in self.output_names]):
+        binding = self.session.io_binding()
+        for name, tensor, bind in ([(n, inputs[n], binding.bind_input) for n in self.input_names]
+                                   + [(n, outputs[n], binding.bind_output) for n in self.output_names]):
             if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in _NUMPY:
                 raise ValueError(f"{name}: a contiguous CPU tensor of {sorted(map(str, _NUMPY))} expected, got "
                                  f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
             bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-        self._bound = buffer_signature(inputs, outputs)
+        return binding
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        if buffer_signature(inputs, outputs) != self._bound:
-            self.bind(inputs, outputs)
-        self.session.run_with_iobinding(self._binding)
+        signature = buffer_signature(inputs, outputs)
+        binding = self.bindings.get(signature)
+        if binding is None:
+            if len(self.bindings) >= self.max_bindings:
+                self.bindings.pop(next(iter(self.bindings)))  # the oldest
+            binding = self.bindings[signature] = self.bind(inputs, outputs)
+        self.session.run_with_iobinding(binding)

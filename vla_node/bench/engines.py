@@ -1,16 +1,19 @@
-"""`vla-node bench engines`: each pure step (text, full frame, tick) in torch and ONNX Runtime side by side, in one
-run, on the same seeded inputs, with parity against the torch fp32 step.
+"""`vla-node bench engines`: the steps the engine policy runs, in torch and ONNX Runtime side by side in one run, on
+the same seeded inputs, with parity against the torch fp32 step; and today's default (the eager policy, fp32
+compute with fp16 weights) doing the same frame.
 
-Recipes timed per step:
+Steps timed (backends/engine_set.py): text, tick, the tower full and partial (a quarter of the tokens and the
+shared-drift sample) and the decoder with the tick's rows, full and partial. Recipes per step:
     torch-fp32          the step module eagerly, plain fp32 weights (the reference of every parity figure)
-    torch-fp16-weights  the same with fbgemm's fp16 weights (today's default of launch/cpu.toml), where fbgemm is
-    onnxruntime-fp32    the exported graph (opset 20) in ONNX Runtime's CPU provider, bound by pointer
-    onnxruntime-int8    the same graph after ONNX Runtime's dynamic quantization (int8 weights per channel,
-                        activations quantized per call: what runs fastest on x86 CPUs with VNNI/AMX)
+    torch-fp16-weights  the same with fbgemm's fp16 weights, where fbgemm is
+    onnxruntime-fp32    the exported graph (opset 20) in ONNX Runtime's CPU provider, bound by pointer, from the
+                        engine store (built by this run into a temporary store)
+    onnxruntime-int8    the int8-ort recipe (backends/quantize.py) of the same graph
 
-Targets (the issue's): the ONNX Runtime int8 tick at most 0.5x the torch fp32 tick; the best CPU recipe's frame
-(full refresh + tick) faster than today's default (torch, fp16 weights). The inputs are seeded random tensors of
-the steps' static shapes (K/V, pixels, token ids) with valid biases: the time does not depend on their values.
+Targets (the issue's): the ONNX Runtime int8 tick at most 0.5x the torch fp32 tick; the best backend's fused frame
+(full refresh + tick: tower-full + both pieces of decoder-tick-full) faster than today's default, the eager policy's
+update_vision with the tick in its pass (torch, fp32, fp16 weights), timed in the same rounds. `rss_mb`: the
+resident memory of a node pipeline per backend (a fresh process each, after warm-up).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import copy
 import json
 import platform
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -26,16 +31,29 @@ import numpy as np
 import torch
 
 from vla_node.backends import cpu_features
-from vla_node.backends.engine import OnnxRuntimeEngine, TorchEngine
-from vla_node.backends.export import export_step, parity
+from vla_node.backends.engine import TorchEngine
+from vla_node.backends.engine_set import capacities, exported_engines, step_specs
+from vla_node.backends.export import parity
 from vla_node.backends.fp16_weights import fp16_weights_available, use_fp16_weights
 from vla_node.backends.steps import FrameStep, TextStep, TickStep, frame_bias, text_bias, tick_bias
+from vla_node.backends.store import EngineStore
 from vla_node.bench.timing import time_ms
 from vla_node.model.config import ModelConfig, preset
-from vla_node.model.vla import VLA, build_vla
+from vla_node.model.vla import build_vla
 
+SAMPLES = 8  # the node's shared-drift sample (reuse.shared_drift_samples)
+# the three whole-stage steps with seeded inputs (step_inputs): for tests and calibration checks
 STEPS = {"text": (TextStep, ("text_k", "text_v")), "frame": (FrameStep, ("frame_embeds", "frame_k", "frame_v")),
          "tick": (TickStep, ("logits", "state_k", "state_v"))}
+
+
+def bench_steps(c: ModelConfig) -> dict[str, str]:
+    """Bench name -> engine step name."""
+    tower, frame = capacities(c.tokens_per_camera, SAMPLES), capacities(c.tokens_per_frame, SAMPLES)
+    return {"text": "text", "tick": "tick", "tower-full": f"tower-{tower[-1]}", "tower-partial": f"tower-{tower[0]}",
+            **{f"frame-tick-{kind}-{part}": f"decoder-tick-{k}-{part}" for kind, k in (("full", frame[-1]),
+                                                                                      ("partial", frame[0]))
+               for part in "ab"}}
 
 
 def step_inputs(c: ModelConfig, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -64,93 +82,151 @@ def step_inputs(c: ModelConfig, seed: int = 0) -> dict[str, dict[str, torch.Tens
     }
 
 
-def _engines(name: str, model: VLA, inputs: dict[str, torch.Tensor], folder: Path, threads: int) -> dict:
-    """The recipes of one step: engine per recipe (fp32 and int8 ONNX exported here)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def _engines(model, specs, names: dict[str, str], store: EngineStore, threads: int) -> dict[str, dict]:
+    """Per bench step, the engine of every recipe."""
+    fp16 = use_fp16_weights(copy.deepcopy(model)) if fp16_weights_available() else None
+    wanted = {step: specs[step] for step in names.values()}
+    onnx = {recipe: exported_engines(model, wanted, "onnxruntime", recipe, store, threads=threads)
+            for recipe in ("fp32", "int8-ort")}
+    out = {}
+    for bench_name, step in names.items():
+        spec = specs[step]
+        engines = {"torch-fp32": TorchEngine(spec.build(model), list(spec.inputs()), spec.outputs)}
+        if fp16 is not None:
+            engines["torch-fp16-weights"] = TorchEngine(spec.build(fp16), list(spec.inputs()), spec.outputs)
+        engines["onnxruntime-fp32"] = onnx["fp32"][step]
+        engines["onnxruntime-int8"] = onnx["int8-ort"][step]
+        out[bench_name] = engines
+    return out
 
-    cls, outputs = STEPS[name]
-    engines = {"torch-fp32": TorchEngine(cls(model), list(inputs), outputs)}
+
+def _eager_default_frame(c: ModelConfig) -> Callable[[], None]:
+    """Today's default doing one fused frame: the eager policy (fp32 compute, fp16 weights where fbgemm is), a full
+    refresh with the tick in the frame's pass."""
+    from vla_node.kv.cache_config import CacheConfig
+    from vla_node.runtime.policy import MultiRatePolicy
+
+    model = build_vla(c, seed=0)
     if fp16_weights_available():
-        engines["torch-fp16-weights"] = TorchEngine(cls(use_fp16_weights(copy.deepcopy(model))), list(inputs),
-                                                    outputs)
-    fp32 = folder / f"{name}.onnx"
-    export_step(cls(model), inputs, outputs, fp32)
-    int8 = folder / f"{name}.int8.onnx"
-    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=True)
-    engines["onnxruntime-fp32"] = OnnxRuntimeEngine(fp32, threads=threads)
-    engines["onnxruntime-int8"] = OnnxRuntimeEngine(int8, threads=threads)
-    return engines
+        model = use_fp16_weights(model)
+    policy = MultiRatePolicy(model, CacheConfig())
+    policy.update_text("keep lane, follow car")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (c.num_cameras, c.image_size, c.image_size, 3), dtype=np.uint8)
+    state = np.zeros(c.state_dim, np.float32)
+    return lambda: policy.update_vision(images, None, False, None, state)
 
 
-def _time_step(engines: dict, inputs: dict[str, torch.Tensor], iters: int) -> dict[str, dict]:
-    """Every recipe's median ms (rounds interleaved, so a load change hits all alike) and parity against
-    torch-fp32 on the same inputs."""
-    reference = engines["torch-fp32"]
-    with torch.inference_mode():
-        results = reference.step(*inputs.values())
-    outputs = {recipe: {n: torch.empty_like(t) for n, t in zip(reference.output_names, results)}
-               for recipe in engines}
-    runs: dict[str, Callable[[], None]] = {recipe: (lambda e=e, o=outputs[recipe]: e.run(inputs, o))
-                                           for recipe, e in engines.items()}
-    samples: dict[str, list[float]] = {recipe: [] for recipe in engines}
+def _time_steps(engines: dict[str, dict], specs, names, eager: Callable[[], None], iters: int) -> tuple[dict, float]:
+    """Every step's recipes and the eager default frame: rounds interleaved (a load change hits all alike); parity
+    against torch-fp32 on the same inputs."""
+    inputs = {b: specs[s].inputs() for b, s in names.items()}
+    outputs, runs = {}, {}
+    for b, recipes in engines.items():
+        reference = recipes["torch-fp32"]
+        with torch.inference_mode():
+            results = reference.step(*inputs[b].values())
+        outputs[b] = {r: {n: torch.empty_like(t) for n, t in zip(reference.output_names, results)} for r in recipes}
+        for r, e in recipes.items():
+            runs[(b, r)] = lambda e=e, i=inputs[b], o=outputs[b][r]: e.run(i, o)
+    runs[("eager", "default")] = eager
+    samples: dict[tuple, list[float]] = {key: [] for key in runs}
     for run in runs.values():
         run()  # warm-up (allocator, first-call costs)
     for _ in range(iters):
-        for recipe, run in runs.items():
-            samples[recipe].append(time_ms(run, 1, warmup=0)["median"])
-    expected = [t.numpy() for t in outputs["torch-fp32"].values()]
+        for key, run in runs.items():
+            samples[key].append(time_ms(run, 1, warmup=0)["median"])
     figures = {}
-    for recipe in engines:
-        got = [t.numpy() for t in outputs[recipe].values()]
-        figures[recipe] = {"ms": round(float(np.median(samples[recipe])), 3),
-                           "parity_vs_torch_fp32": parity(expected, got, reference.output_names)}
-    return figures
+    for b, recipes in engines.items():
+        names_out = recipes["torch-fp32"].output_names
+        expected = [t.numpy() for t in outputs[b]["torch-fp32"].values()]
+        figures[b] = {r: {"ms": round(float(np.median(samples[(b, r)])), 3),
+                          "parity_vs_torch_fp32": parity(expected, [t.numpy() for t in outputs[b][r].values()],
+                                                         names_out)}
+                      for r in recipes}
+    return figures, round(float(np.median(samples[("eager", "default")])), 3)
 
 
-def run(preset_name: str = "small", iters: int = 10, threads: int = 1, json_path: str | None = None) -> dict:
+def node_rss_mb(preset_name: str, backend: str, engines_dir: str) -> float:
+    """The resident memory of a warmed-up node pipeline on `backend`, in a fresh process (MB)."""
+    code = (
+        "import dataclasses, sys\n"
+        "from vla_node.config import default_launch, load_launch\n"
+        "from vla_node.model.config import PRESETS\n"
+        "from vla_node.node.pipeline import Pipeline\n"
+        "c = load_launch(default_launch())\n"
+        f"c = c.replace(model=dataclasses.replace(c.model, preset={preset_name!r}, backend={backend!r}, "
+        f"fallback=(), engines_dir={engines_dir!r}, build_engines=False, instruction='keep lane'))\n"
+        "Pipeline(c, warm_up_rounds=1)\n"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')][0])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"node RSS on {backend}: {done.stderr.strip().splitlines()[-1:]}")
+    return round(int(done.stdout.split()[-1]) / 1024, 1)
+
+
+def run(preset_name: str = "small", iters: int = 10, threads: int = 1, json_path: str | None = None,
+        rss: bool = True) -> dict:
     """Time every step and recipe; print a table; return (and optionally write) the figures."""
     torch.set_num_threads(threads)
-    model = build_vla(preset(preset_name), seed=0)
-    inputs = step_inputs(model.config)
-    steps = {}
+    config = preset(preset_name)
+    model = build_vla(config, seed=0)
+    specs = step_specs(config, SAMPLES, tick_in_frame=True)
+    names = bench_steps(config)
     with tempfile.TemporaryDirectory(prefix="vla-bench-engines-") as tmp:
-        for name in STEPS:
-            steps[name] = _time_step(_engines(name, model, inputs[name], Path(tmp), threads), inputs[name], iters)
+        store = EngineStore(Path(tmp) / "engines")
+        engines = _engines(model, specs, names, store, threads)
+        steps, eager_ms = _time_steps(engines, specs, names, _eager_default_frame(config), iters)
+        memory = {}
+        if rss:
+            exported_engines(model, specs, "onnxruntime", "fp32", store, threads=threads)  # the node's whole set
+            memory = {b: node_rss_mb(preset_name, b, str(store.root)) for b in ("torch", "onnxruntime")}
     result = {"preset": preset_name, "threads": threads, "iters": iters, "steps": steps,
-              "cpu": platform.processor() or platform.machine(), "kernels": cpu_features.describe(),
-              "torch": torch.__version__, "targets": _targets(steps)}
+              "eager_default_frame_ms": eager_ms, "rss_mb": memory,
+              "cpu": cpu_model(), "kernels": cpu_features.describe(), "torch": torch.__version__,
+              "targets": _targets(steps, eager_ms)}
     print(table(result))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _targets(steps: dict) -> dict:
+def cpu_model() -> str:
+    info = cpu_features.read_cpuinfo()
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+
+
+def _targets(steps: dict, eager_ms: float) -> dict:
     tick = steps["tick"]
-    frame_tick = {recipe: steps["frame"][recipe]["ms"] + tick[recipe]["ms"] for recipe in tick}
-    default = "torch-fp16-weights" if "torch-fp16-weights" in frame_tick else "torch-fp32"
+    frame_tick = {recipe: sum(steps[step][recipe]["ms"] for step in ("tower-full", "frame-tick-full-a",
+                                                                      "frame-tick-full-b")) for recipe in tick}
     best = min(frame_tick, key=frame_tick.get)
     ratio = tick["onnxruntime-int8"]["ms"] / tick["torch-fp32"]["ms"]
     return {"onnxruntime_int8_tick_over_torch_fp32_tick": {"value": round(ratio, 3), "target": "<= 0.5",
                                                            "met": ratio <= 0.5},
             "frame_and_tick_ms": {k: round(v, 3) for k, v in frame_tick.items()},
-            "best_frame_and_tick_over_default": {"best": best, "default": default,
-                                                 "value": round(frame_tick[best] / frame_tick[default], 3),
-                                                 "target": "< 1", "met": frame_tick[best] < frame_tick[default]}}
+            "best_frame_and_tick_over_default": {"best": best, "default": "eager policy, fp16 weights",
+                                                 "value": round(frame_tick[best] / eager_ms, 3), "target": "< 1",
+                                                 "met": frame_tick[best] < eager_ms}}
 
 
 def table(result: dict) -> str:
     lines = [f"bench engines: {result['preset']}, {result['threads']} thread(s), {result['iters']} rounds; "
-             f"{result['kernels']}",
-             f"{'step':<6}{'recipe':<20}{'ms':>9}  parity vs torch-fp32 (max relative, per output)"]
+             f"{result['cpu']}; {result['kernels']}",
+             f"{'step':<20}{'recipe':<20}{'ms':>9}  parity vs torch-fp32 (max relative, per output)"]
     for step, recipes in result["steps"].items():
         for recipe, f in recipes.items():
             rel = ", ".join(f"{k} {v['max_rel']:.1e}" for k, v in f["parity_vs_torch_fp32"].items())
-            lines.append(f"{step:<6}{recipe:<20}{f['ms']:>9.3f}  {rel}")
+            lines.append(f"{step:<20}{recipe:<20}{f['ms']:>9.3f}  {rel}")
+    lines.append(f"{'eager default frame':<40}{result['eager_default_frame_ms']:>9.3f}  (the eager policy: full "
+                 "refresh + tick, fp16 weights)")
     t = result["targets"]
     a, b = t["onnxruntime_int8_tick_over_torch_fp32_tick"], t["best_frame_and_tick_over_default"]
     lines.append(f"onnxruntime-int8 tick / torch-fp32 tick: {a['value']}x (target {a['target']}: "
                  f"{'met' if a['met'] else 'MISSED'})")
     lines.append(f"frame + tick, best ({b['best']}) / default ({b['default']}): {b['value']}x (target {b['target']}: "
                  f"{'met' if b['met'] else 'MISSED'})")
+    if result["rss_mb"]:
+        lines.append("node RSS after warm-up: " + ", ".join(f"{k} {v} MB" for k, v in result["rss_mb"].items()))
     return "\n".join(lines)

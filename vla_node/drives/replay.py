@@ -342,7 +342,8 @@ def _write_replay_report(reader: DriveReader, config: NodeConfig, result: Stream
     meta = RunMeta(drive=str(reader.path),
                    model=str(health.get("model", config.model.checkpoint or config.model.preset)),
                    backend=_backend(health, config), control_hz=config.scheduler.control_hz,
-                   deadline_ms=config.scheduler.vision_deadline_ms, health=health)
+                   deadline_ms=config.scheduler.vision_deadline_ms, health=health,
+                   recipe=str(health.get("recipe", "unknown")))
     report = build_report(frames, actions, meta)
     json_path, html_path = write_report(report, frames, actions, out)
     late = sum(1 for f in frames if f.processed and f.first_action_ns is None)
@@ -380,8 +381,7 @@ def _check_commands(path, commands: list[DriveMessage], limits) -> None:
 
 
 def _backend(health: dict, config) -> str:
-    """'torch' and, where the node says so, its linear weights: 'torch, fp16 weights'."""
+    """The backend the node resolved at start ('onnxruntime'; 'torch on cuda'), as its health says."""
     backend = str(health.get("backend", config.model.backend))
-    weights, device = health.get("weights"), health.get("device")
-    backend = f"{backend} on {device}" if isinstance(device, str) and device != "cpu" else backend
-    return f"{backend}, {weights} weights" if isinstance(weights, str) else backend
+    device = health.get("device")
+    return f"{backend} on {device}" if isinstance(device, str) and device != "cpu" else backend

@@ -47,6 +47,7 @@ class Node:
         sys.setswitchinterval(0.0005)  # the publisher thread gets the GIL back within 0.5 ms of its tick
         self.started_ns = clock()
         self.pipeline = Pipeline(config, clock)
+        self.backend = self.pipeline.backend  # what runs (frozen): read by the health topic on the publisher's side
         c = self.pipeline.policy.config
         self.ingest = Ingest(config.cameras, config.limits, c.state_dim, c.max_text_tokens - 1)
         self.frame_topics = frozenset(FRAME_TOPIC_PREFIX + cam.name.encode() for cam in config.cameras)
@@ -183,6 +184,7 @@ class Node:
                         "status_counts": {s.value: n for s, n in self.broker.ticks.items()}},
             "rss_bytes": rss_bytes(),
             "transport": {"reconnects": reconnects, "publish_dropped": self.transport.publish_dropped},
-            "model": model.checkpoint or model.preset, "backend": model.backend, "device": model.device,
-            "dtype": model.resolved_dtype, "weights": model.resolved_weights,
+            "model": model.checkpoint or model.preset, "backend": self.backend.backend,
+            "recipe": self.backend.recipe, "backend_skipped": list(self.backend.skipped),
+            "device": model.device, "dtype": model.resolved_dtype, "weights": model.resolved_weights,
         }

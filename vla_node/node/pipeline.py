@@ -12,11 +12,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.backends.loading import load_model
 from vla_node.config import NodeConfig
-from vla_node.kv.dtypes import torch_dtype
-from vla_node.model.config import preset
 from vla_node.node.faults import with_faults
+from vla_node.node.policies import BackendChoice, build_policies
 from vla_node.node.warmup import warm_up
 from vla_node.runtime.policy import MultiRatePolicy, StageAborted
 from vla_node.runtime.reuse import ReuseGate
@@ -25,35 +23,19 @@ from vla_node.validate import ConfigError
 from vla_node.wire.protocol import Frame
 
 
-def build_policies(config: NodeConfig) -> tuple[MultiRatePolicy, MultiRatePolicy | None]:
-    """The main engine's policy and, with `scheduler.smaller_preset`, the smaller engine's (given the main engine's
-    text capacity, so that every instruction the main engine takes fits it too)."""
-    section = config.model
-    dtype = torch_dtype(section.resolved_dtype)
-    weights = section.weight_format
-    main = load_model(section.model_config(), weights, section.checkpoint, section.seed)
-    policy = MultiRatePolicy(main, config.cache, dtype, section.device, config.reuse)
-    small = None
-    if config.scheduler.smaller_preset is not None:
-        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=policy.config.max_text_tokens)
-        small = MultiRatePolicy(load_model(shapes, weights, seed=section.seed), config.cache, dtype, section.device,
-                                config.reuse)
-    return policy, small
-
-
 class Pipeline:
     """The policies, reuse gates, scheduler and chunk broker of one node, warmed up and ready when constructed
     (`priors`: what the warm-up measured, the scheduler's first cost estimates)."""
 
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns,
-                 warm_up_rounds: int = 2) -> None:
+                 warm_up_rounds: int = 2, backend: BackendChoice | None = None, launch: str | None = None) -> None:
         self.config = config
         self.clock = clock
         device = config.model.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"model.device = {device!r}: CUDA is not available to torch {torch.__version__} "
                               "on this machine; use 'cpu'")
-        policy, small = build_policies(config)
+        policy, small, self.backend = build_policies(config, backend, launch)
         c = policy.config
         self.state = np.zeros(c.state_dim, np.float32)
         # A GPU runs the stages asynchronously: wait for it at every budget check and stage end, so that stage

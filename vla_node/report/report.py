@@ -24,7 +24,7 @@ KV_PARTITIONS = ("text", "vision", "action")
 
 # The exact key set of report.json; nested tables have exact key sets too (degrade_levels is open: level -> count).
 REPORT_KEYS = (
-    "drive", "model", "backend", "frames_sent", "frames_processed", "frames_dropped", "actions",
+    "drive", "model", "backend", "recipe", "frames_sent", "frames_processed", "frames_dropped", "actions",
     "control_hz", "deadline_ms", "latency_ms", "control_jitter_ms", "deadline_misses", "status_counts",
     "degrade_levels", "vision_reuse_ratio", "kv_bytes",
 )
@@ -34,7 +34,7 @@ NESTED_KEYS = {
     "status_counts": STATUSES,
     "kv_bytes": KV_PARTITIONS,
 }
-STRING_KEYS = ("drive", "model", "backend")
+STRING_KEYS = ("drive", "model", "backend", "recipe")
 COUNT_KEYS = ("frames_sent", "frames_processed", "frames_dropped", "actions", "deadline_misses")
 NUMBER_KEYS = ("control_hz", "deadline_ms")
 NULLABLE_NUMBER_KEYS = ("vision_reuse_ratio",)
@@ -118,6 +118,7 @@ class RunMeta:
     control_hz: float
     deadline_ms: float
     health: Mapping[str, Any]
+    recipe: str = "unknown"  # the backend's recipe (engines: fp32, int8-ort ...; torch: its linear weights)
 
     def __post_init__(self) -> None:
         for key in STRING_KEYS:
@@ -220,6 +221,7 @@ def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord],
         "drive": meta.drive,
         "model": meta.model,
         "backend": meta.backend,
+        "recipe": meta.recipe,
         "frames_sent": len(frames),
         "frames_processed": processed,
         "frames_dropped": len(frames) - processed,
@@ -301,7 +303,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
     lat, jit, st, kv = report["latency_ms"], report["control_jitter_ms"], report["status_counts"], report["kv_bytes"]
     rows = [
         ("drive", report["drive"]),
-        ("model / backend", f"{report['model']} / {report['backend']}"),
+        ("model / backend / recipe", f"{report['model']} / {report['backend']} / {report['recipe']}"),
         ("control / deadline", f"{_fmt(report['control_hz'], 1)} Hz / {_fmt(report['deadline_ms'], 1)} ms"),
         ("frames", f"{report['frames_sent']} sent, {report['frames_processed']} processed, "
                    f"{report['frames_dropped']} dropped"),

@@ -100,7 +100,9 @@ class SchedulerConfig:
     ladder: tuple[str, ...] = LADDER_STEPS
     reuse_threshold_scales: tuple[float, ...] = (2.0, 4.0)
     refresh_fractions: tuple[float, ...] = (0.5, 0.25)
-    smaller_preset: str | None = None          # the smaller_engine step exists only when set
+    smaller_preset: str | None = None          # the smaller_engine step runs this preset ...
+    smaller_recipe: str | None = None          # ... or this recipe of the same model (engine backends: "int8-ort");
+                                               # the step exists only when one of them is set
 
     def __post_init__(self) -> None:
         for key in ("control_hz", "action_deadline_ms", "vision_deadline_ms", "text_deadline_ms",
@@ -137,6 +139,14 @@ class SchedulerConfig:
                 "a non-empty tuple of decreasing fractions in (0, 1)")
         require(self.smaller_preset is None or (isinstance(self.smaller_preset, str) and self.smaller_preset != ""),
                 "smaller_preset", self.smaller_preset, "None or a preset name")
+        require(self.smaller_recipe is None or self.smaller_recipe in ("fp32", "int8-ort", "int8-trt"),
+                "smaller_recipe", self.smaller_recipe, "None, 'fp32', 'int8-ort' or 'int8-trt'")
+        require(self.smaller_preset is None or self.smaller_recipe is None, "smaller_recipe", self.smaller_recipe,
+                f"unset while smaller_preset is set ({self.smaller_preset!r}): the smaller engine is one or the other")
+
+    @property
+    def smaller_engine(self) -> bool:
+        return self.smaller_preset is not None or self.smaller_recipe is not None
 
     @property
     def period_ns(self) -> int:
@@ -207,7 +217,7 @@ class Scheduler:
                  features: Mapping[str, bool] | None = None) -> None:
         self.config = config
         self.levels: tuple[Level, ...] = build_levels(
-            config.ladder, features=features, smaller_engine=config.smaller_preset is not None,
+            config.ladder, features=features, smaller_engine=config.smaller_engine,
             reuse_threshold_scales=config.reuse_threshold_scales, refresh_fractions=config.refresh_fractions)
         self._top = len(self.levels) - 1
         has_small = any(level.knobs.use_smaller_engine for level in self.levels)

@@ -1,0 +1,78 @@
+"""The node's backend, resolved once at start: the launch file's backend and fallback order, engines built where
+missing (`vla-node build-engines` or at start), rebuilt when corrupt, and a one-line error where they cannot be."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from helpers.node_helpers import TINY_LAUNCH
+from vla_node.backends import engine_set as engine_set_module
+from vla_node.backends.quantize import RECIPES as QUANTIZE_RECIPES
+from vla_node.cli import main
+from vla_node.config import BACKENDS, RECIPES, load_launch
+from vla_node.node.pipeline import Pipeline
+from vla_node.node.policies import resolve_backend
+from vla_node.runtime.engine_policy import EnginePolicy
+from vla_node.validate import ConfigError
+
+pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
+
+
+def onnxruntime_launch(tmp_path, **model) -> object:
+    """tests/launch/tiny.toml on onnxruntime with its store under tmp_path, as a file and a config."""
+    path = tmp_path / "tiny-onnxruntime.toml"
+    keys = {"backend": "onnxruntime", "engines_dir": str(tmp_path / "engines"), **model}
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    path.write_text(TINY_LAUNCH.read_text().replace("[model]\n", f"[model]\n{lines}", 1))
+    return path
+
+
+def test_the_config_knows_every_backend_and_recipe():
+    assert BACKENDS == engine_set_module.BACKENDS and RECIPES == QUANTIZE_RECIPES
+
+
+def test_no_build_with_nothing_built_says_what_to_run(tmp_path, capsys):
+    launch = onnxruntime_launch(tmp_path)
+    assert main(["run", "--launch", str(launch), "--no-build"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "not built" in err and "vla-node build-engines --launch" in err
+
+
+def test_build_engines_then_start_then_a_corrupt_engine_is_rebuilt(tmp_path, capsys):
+    launch = onnxruntime_launch(tmp_path)
+    assert main(["build-engines", "--launch", str(launch)]) == 0
+    out = capsys.readouterr().out
+    assert "[1/" in out and "built in" in out
+    config = load_launch(launch)
+    pipeline = Pipeline(config.replace(model=dataclasses.replace(config.model, build_engines=False)),
+                        warm_up_rounds=1)
+    assert isinstance(pipeline.policy, EnginePolicy) and pipeline.backend.backend == "onnxruntime"
+    # corrupt one engine file: with building refused, one line at start; with building, rebuilt
+    folder = next(p for p in (tmp_path / "engines").iterdir() if p.name.startswith("tick-"))
+    graph = folder / "tick.onnx"
+    graph.write_bytes(graph.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="corrupt or truncated") as e:
+        Pipeline(config.replace(model=dataclasses.replace(config.model, build_engines=False)), warm_up_rounds=1)
+    assert "\n" not in str(e.value) and "vla-node build-engines" in str(e.value)
+    Pipeline(config, warm_up_rounds=1)
+    assert len(graph.read_bytes()) > 100
+
+
+def test_a_backend_this_machine_cannot_run_falls_back_in_order(tmp_path):
+    launch = onnxruntime_launch(tmp_path, backend="tensorrt", fallback=["cudagraph", "onnxruntime", "torch"])
+    choice = resolve_backend(load_launch(launch))
+    assert choice.backend == "onnxruntime" and choice.recipe == "fp32"
+    assert [s.split(":")[0] for s in choice.skipped] == ["tensorrt", "cudagraph"]
+    lone = onnxruntime_launch(tmp_path, backend="tensorrt")
+    with pytest.raises(ConfigError, match="none can run here"):
+        resolve_backend(load_launch(lone))
+
+
+def test_a_configuration_the_engines_do_not_cover_falls_back_with_its_reason(tmp_path):
+    launch = onnxruntime_launch(tmp_path, fallback=["torch"], vision_frames=2)
+    choice = resolve_backend(load_launch(launch))
+    assert choice.backend == "torch" and "vision_frames = 2" in choice.skipped[0]

@@ -1,0 +1,54 @@
+"""The cudagraph backend: a torch step captured once per set of buffers as a CUDA graph, replayed per call.
+
+The caller's input and output tensors are the graph's static buffers: the capture records the step reading the
+inputs' addresses and copying its results into the outputs', so a call is one `replay()` (no Python per op, no
+allocation). New buffers (another pointer, shape or dtype) are captured anew. CUDA only; not run in this project's
+CI (no GPU): `.ci/gpu` compares it with the eager step.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from vla_node.backends.engine import buffer_signature
+
+
+class CudaGraphEngine:
+    def __init__(self, step: nn.Module, input_names: Sequence[str], output_names: Sequence[str],
+                 warmup_calls: int = 2) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend 'cudagraph': no CUDA GPU visible to torch {torch.__version__}; pick "
+                               "onnxruntime or torch")
+        self.step = step.eval()
+        self.input_names, self.output_names = tuple(input_names), tuple(output_names)
+        self.warmup_calls = warmup_calls
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._bound: tuple | None = None
+
+    def _call(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        results = self.step(*(inputs[n] for n in self.input_names))
+        for name, value in zip(self.output_names, results):
+            outputs[name].copy_(value)
+
+    def _capture(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        for name, t in [*inputs.items(), *outputs.items()]:
+            if not t.is_cuda:
+                raise ValueError(f"{name}: a CUDA tensor expected, got one on {t.device}")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(self.warmup_calls):  # lazy initialisation (cuBLAS handles, allocator) outside capture
+                self._call(inputs, outputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            self._call(inputs, outputs)
+        self._graph, self._bound = graph, buffer_signature(inputs, outputs)
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+        if buffer_signature(inputs, outputs) != self._bound:
+            self._capture(inputs, outputs)
+        self._graph.replay()

@@ -1,0 +1,145 @@
+"""The node's policies, on the backend resolved once at start: the first of `model.backend` and its `fallback`
+order that this machine and configuration can run.
+
+    torch        the eager policy (runtime/policy.py): every configuration, weights as the launch file says
+    onnxruntime  the engine policy (runtime/engine_policy.py) on ONNX Runtime's CPU provider, the engines from the
+                 store (engines/), built at start where missing or stale
+    tensorrt     the engine policy on TensorRT engines (a CUDA GPU and the tensorrt package)
+    cudagraph    the engine policy on the torch steps captured as CUDA graphs (a CUDA GPU)
+
+A backend this machine cannot run (no package, no GPU) or that does not cover the configuration is skipped with
+its reason (the health topic and report.json say what runs and why); an engine that cannot be had (not built
+with building refused, a failed build) is a one-line error at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import torch
+
+from vla_node.backends.engine_set import EngineSet, exported_engines, step_specs, torch_engines
+from vla_node.backends.loading import load_model
+from vla_node.backends.store import EngineStore, EngineStoreError
+from vla_node.config import NodeConfig
+from vla_node.kv.dtypes import torch_dtype
+from vla_node.model.config import preset
+from vla_node.model.vla import VLA
+from vla_node.runtime.engine_policy import EnginePolicy, unsupported
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.validate import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    backend: str
+    recipe: str  # engines: the recipe; torch: the weight format (fp32, fp16 weights, packed bf16 ...)
+    skipped: tuple[str, ...] = ()  # the backends tried first, each with why it could not run
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "recipe": self.recipe, "skipped": list(self.skipped)}
+
+
+def _unavailable(backend: str, device: str) -> str | None:
+    """Why this machine cannot run `backend` (None: it can)."""
+    if backend == "torch":
+        return None
+    if backend == "onnxruntime":
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as e:
+            return f"onnxruntime is not installed ({e})"
+        return None if device == "cpu" else f"runs on the CPU here (model.device = {device!r})"
+    if not torch.cuda.is_available() or not device.startswith("cuda"):
+        return f"needs a CUDA GPU and model.device = 'cuda' (device {device!r}, CUDA available: " \
+               f"{torch.cuda.is_available()})"
+    if backend == "tensorrt":
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError as e:
+            return f"the tensorrt package is not installed ({e})"
+    return None
+
+
+def resolve_backend(config: NodeConfig) -> BackendChoice:
+    """The first backend of model.backend, *model.fallback this machine and configuration can run."""
+    section = config.model
+    skipped = []
+    for backend in dict.fromkeys((section.backend, *section.fallback)):
+        why = _unavailable(backend, section.device)
+        if why is None and backend != "torch":
+            why = unsupported(section.model_config(), config.cache, config.reuse)
+        if why is None:
+            recipe = section.recipe if backend != "torch" else f"{section.resolved_weights} weights"
+            return BackendChoice(backend, recipe, tuple(skipped))
+        skipped.append(f"{backend}: {why}")
+    raise ConfigError(f"model.backend {section.backend!r} with fallback {list(section.fallback)}: none can run here "
+                      f"({'; '.join(skipped)})")
+
+
+def engine_set(config: NodeConfig, model: VLA, backend: str, recipe: str, *, build: bool | None = None,
+               launch: str | None = None, progress=None) -> EngineSet:
+    """The engines of `model` for the node's configuration on `backend` with `recipe`."""
+    section = config.model
+    specs = step_specs(model.config, config.reuse.shared_drift_samples, tick_in_frame=True)
+    if backend == "torch":
+        return torch_engines(model, specs)
+    if backend == "cudagraph":
+        from vla_node.backends.cudagraph_engine import CudaGraphEngine
+
+        engines = {name: CudaGraphEngine(spec.build(model), list(spec.inputs()), spec.outputs)
+                   for name, spec in specs.items()}
+        return EngineSet("cudagraph", "fp32", engines)
+    calibration = None
+    if recipe == "int8-trt":
+        from vla_node.backends.calibration import find_calibration
+
+        calibration = find_calibration(section.calibration, model)
+    build = section.build_engines if build is None else build
+    try:
+        return exported_engines(model, specs, backend, recipe, EngineStore(section.engines_dir), build=build,
+                                threads=section.threads or 1, calibration=calibration, device=section.device,
+                                launch=launch, progress=progress or _log_progress)
+    except EngineStoreError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _log_progress(line: str) -> None:
+    print(f"engines: {line}", file=sys.stderr, flush=True)
+
+
+def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
+                   launch: str | None = None) -> tuple[MultiRatePolicy, MultiRatePolicy | None, BackendChoice]:
+    """The main engine's policy and the smaller engine's: with `scheduler.smaller_preset` that preset (given the main
+    engine's text capacity, so that every instruction the main engine takes fits it too), with
+    `scheduler.smaller_recipe` the same model in that recipe (degrade by precision); on the resolved backend."""
+    section = config.model
+    choice = choice or resolve_backend(config)
+    if choice.skipped:
+        log.warning("backend %s (%s); skipped: %s", choice.backend, choice.recipe, "; ".join(choice.skipped))
+    dtype = torch_dtype(section.resolved_dtype)
+    weights = section.weight_format if choice.backend == "torch" else "plain"
+
+    def policy_for(model: VLA) -> MultiRatePolicy:
+        if choice.backend == "torch":
+            return MultiRatePolicy(model, config.cache, dtype, section.device, config.reuse)
+        engines = engine_set(config, model, choice.backend, choice.recipe, launch=launch)
+        return EnginePolicy(model, engines, config.cache, section.device, config.reuse)
+
+    main = load_model(section.model_config(), weights, section.checkpoint, section.seed)
+    policy = policy_for(main)
+    small = None
+    if config.scheduler.smaller_preset is not None:
+        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=policy.config.max_text_tokens)
+        small = policy_for(load_model(shapes, weights, seed=section.seed))
+    elif config.scheduler.smaller_recipe is not None:  # degrade by precision: the same model, another recipe
+        if choice.backend in ("torch", "cudagraph"):
+            raise ConfigError(f"scheduler.smaller_recipe = {config.scheduler.smaller_recipe!r}: backend "
+                              f"{choice.backend!r} runs no recipes (onnxruntime or tensorrt do)")
+        engines = engine_set(config, main, choice.backend, config.scheduler.smaller_recipe, launch=launch)
+        small = EnginePolicy(main, engines, config.cache, section.device, config.reuse)  # the weights shared
+    return policy, small, choice
