@@ -135,6 +135,25 @@ def cmd_build_engines(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from vla_node.config import load_launch
+    from vla_node.drives.calibrate import calibrate, drive_images, folder_images
+
+    config = load_launch(args.launch)
+    cameras = config.model.model_config().num_cameras
+    if args.drive:
+        source, images = args.drive, drive_images(Path(args.drive), cameras, args.frames_max)
+    else:
+        folder = Path(args.frames)
+        if not folder.is_dir():
+            raise ConfigError(f"--frames {folder}: not a folder of images")
+        source, images = args.frames, folder_images(folder, cameras, args.frames_max)
+    calibrate(config, images, source, args.frames_max, progress=lambda line: print(line, flush=True))
+    return 0
+
+
 def cmd_keys(args) -> int:
     from vla_node.wire.keys import create_keys
 
@@ -226,6 +245,14 @@ def add_node_commands(sub) -> None:
     p.add_argument("--backend", help="onnxruntime | tensorrt | cudagraph (default: the launch file's)")
     p.add_argument("--recipe", help="fp32 | int8-ort | int8-trt (default: the launch file's)")
     p.set_defaults(func=cmd_build_engines)
+
+    p = sub.add_parser("calibrate", help="record the int8 recipes' calibration set from real frames (calib/<model>/)")
+    p.add_argument("--launch", required=True, help="TOML launch file (its model, cache and reuse settings)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--drive", help="a drive (.mcap native or ROS 2, or a video file)")
+    source.add_argument("--frames", help="a folder of .png/.jpg frames (name order; one per camera in turn)")
+    p.add_argument("--frames-max", type=int, default=16, help="frames to run and calls kept per step (default 16)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("keys", help="create CURVE server and client keys")
     p.add_argument("--out", required=True, help="directory to create")

@@ -76,3 +76,52 @@ def test_a_configuration_the_engines_do_not_cover_falls_back_with_its_reason(tmp
     launch = onnxruntime_launch(tmp_path, fallback=["torch"], vision_frames=2)
     choice = resolve_backend(load_launch(launch))
     assert choice.backend == "torch" and "vision_frames = 2" in choice.skipped[0]
+
+
+def test_calibrate_then_int8_trt_engines_and_a_new_calibration_rebuilds(tmp_path, capsys):
+    """`vla-node calibrate` on a synthetic drive writes calib/<model>/; the int8-trt engines build from it (Q/DQ,
+    zero points 0) and run in the node's policy; a calibration made from other frames changes the engines' keys:
+    they are rebuilt."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from vla_node.drives.convert import convert_synthetic
+    from vla_node.drives.synthetic import SyntheticDriveConfig
+
+    drives = []
+    for seed in (0, 1):
+        drive = tmp_path / f"synthetic-{seed}.mcap"
+        convert_synthetic(SyntheticDriveConfig(width=64, height=48, fps=10, seconds=1.2, seed=seed), drive,
+                          progress=False)
+        drives.append(drive)
+    launch = onnxruntime_launch(tmp_path, recipe="int8-trt", calibration=str(tmp_path / "calib"))
+    assert main(["calibrate", "--launch", str(launch), "--drive", str(drives[0]), "--frames-max", "12"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    (folder,) = (tmp_path / "calib").iterdir()
+    assert {"manifest.json", "ranges.json", "weights.json", "tick.npz", "text.npz"} <= {p.name for p in folder.iterdir()}
+    config = load_launch(launch)
+    pipeline = Pipeline(config, warm_up_rounds=1)
+    assert (pipeline.backend.backend, pipeline.backend.recipe) == ("onnxruntime", "int8-trt")
+    tick = next(p for p in (tmp_path / "engines").iterdir() if p.name.startswith("tick-int8-trt"))
+    graph = onnx.load(str(tick / "tick.onnx"))
+    zero_points = [numpy_helper.to_array(t) for t in graph.graph.initializer if t.name.endswith("zero_point")]
+    assert zero_points and all(z.dtype == np.int8 and not z.any() for z in zero_points)
+    first = {p.name for p in (tmp_path / "engines").iterdir()}
+    assert main(["calibrate", "--launch", str(launch), "--drive", str(drives[1]), "--frames-max", "12"]) == 0
+    Pipeline(config, warm_up_rounds=1)
+    rebuilt = {p.name for p in (tmp_path / "engines").iterdir()} - first
+    assert any(name.startswith("tick-int8-trt") for name in rebuilt), rebuilt
+
+
+def test_the_shipped_calibration_set_is_the_tiny_test_models():
+    """calib/ ships the set `vla-node calibrate --launch tests/launch/tiny.toml` makes from the synthetic drive;
+    it reads and checks (hashes) against that model."""
+    from helpers.paths import REPO_ROOT
+    from vla_node.backends.calibration import find_calibration
+    from vla_node.backends.loading import load_model
+
+    section = load_launch(TINY_LAUNCH).model
+    model = load_model(section.model_config(), "plain", seed=section.seed)
+    data = find_calibration(REPO_ROOT / "calib", model)
+    assert data.count("tick") > 0 and data.digest

@@ -58,7 +58,8 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
     else:
         from vla_node.backends.quantize import quantize
 
-        sidecar["recipe"] = quantize(recipe, fp32, graph, calibration.for_step(name) if calibration else None)
+        calibrated = calibration.for_step(name) if calibration is not None and recipe == "int8-trt" else None
+        sidecar["recipe"] = quantize(recipe, fp32, graph, calibrated)
         with torch.inference_mode():
             expected = [_numpy(t) for t in step(*inputs.values())]
         engine = OnnxRuntimeEngine(graph)

@@ -148,9 +148,12 @@ def activation_ranges(fp32_onnx: str | Path, reader) -> dict[str, dict[str, floa
     with tempfile.TemporaryDirectory(prefix="vla-calibrate-") as tmp:
         calibrator = create_calibrator(Path(fp32_onnx), list(QUANTIZED_OPS),
                                        augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                                       calibrate_method=CalibrationMethod.MinMax,
-                                       extra_options={"max_intermediate_outputs": CALIBRATION_BATCH})
-        calibrator.collect_data(reader)
+                                       calibrate_method=CalibrationMethod.MinMax)
+        # a batch at a time: each collect_data computes its batch's ranges and merges them with the ranges so far
+        # (ONNX Runtime's max_intermediate_outputs would drop the batches it clears instead)
+        for start in range(0, len(reader), CALIBRATION_BATCH):
+            reader.set_range(start, start + CALIBRATION_BATCH)
+            calibrator.collect_data(reader)
         computed = calibrator.compute_data()
         del calibrator
     ranges = {}

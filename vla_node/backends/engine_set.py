@@ -212,7 +212,7 @@ def exported_engines(model: VLA, specs: Mapping[str, StepSpec], backend: str, re
     for index, (name, spec) in enumerate(specs.items()):
         key = EngineKey(step=name, recipe=recipe, backend=backend, backend_version=version, device=where,
                         weights=digest, shapes=spec.shapes(),
-                        calibration=None if recipe == "fp32" or calibration is None else calibration.digest)
+                        calibration=calibration.step_digest(name) if recipe == "int8-trt" and calibration else None)
         started = time.monotonic()
         built = []
 
