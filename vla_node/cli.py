@@ -108,30 +108,16 @@ def cmd_build_engines(args) -> int:
     """Export, quantize, check and store every engine the launch file's node runs (and its smaller engine's)."""
     import dataclasses
 
-    from vla_node.backends.loading import load_model
     from vla_node.config import load_launch
-    from vla_node.model.config import preset
-    from vla_node.node.policies import engine_set, resolve_backend
+    from vla_node.node.policies import build_launch_engines
 
     config = load_launch(args.launch)
     section = dataclasses.replace(config.model, **given(args, "backend", "recipe"))
     if section.backend == "torch":
         raise ConfigError("backend 'torch' runs the eager policy: no engines to build (pass --backend onnxruntime, "
                           "tensorrt or cudagraph)")
-    config = config.replace(model=dataclasses.replace(section, fallback=()))
-    choice = resolve_backend(config)  # a one-line error where this machine cannot run the backend
-    models = {"main": load_model(section.model_config(), "plain", section.checkpoint, section.seed)}
-    if config.scheduler.smaller_preset is not None:
-        shapes = preset(config.scheduler.smaller_preset).replace(
-            max_text_tokens=models["main"].config.max_text_tokens)
-        models["smaller"] = load_model(shapes, "plain", seed=section.seed)
-    builds = [(role, model, choice.recipe) for role, model in models.items()]
-    if config.scheduler.smaller_recipe is not None:
-        builds.append(("smaller", models["main"], config.scheduler.smaller_recipe))
-    for role, model, recipe in builds:
-        print(f"{role} engine ({model.config.name}): {choice.backend}, {recipe} into {section.engines_dir}/")
-        engine_set(config, model, choice.backend, recipe, build=True, launch=args.launch,
-                   progress=lambda line: print(f"  {line}", flush=True))
+    build_launch_engines(config.replace(model=dataclasses.replace(section, fallback=())), args.launch,
+                         progress=lambda line: print(line, flush=True))
     return 0
 
 

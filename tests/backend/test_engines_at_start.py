@@ -125,3 +125,33 @@ def test_the_shipped_calibration_set_is_the_tiny_test_models():
     model = load_model(section.model_config(), "plain", seed=section.seed)
     data = find_calibration(REPO_ROOT / "calib", model)
     assert data.count("tick") > 0 and data.digest
+
+
+def test_every_engine_folder_keeps_its_onnx_sidecar_and_polygraphy_files(tmp_path):
+    """What a TensorRT machine needs to check an engine against the same references: the graph, its sidecar
+    (bindings, opset, versions, parity) and polygraphy's input/output files, readable by polygraphy itself."""
+    from polygraphy.comparator import RunResults
+    from polygraphy.json import load_json
+
+    launch = onnxruntime_launch(tmp_path)
+    assert main(["build-engines", "--launch", str(launch)]) == 0
+    folders = [p for p in (tmp_path / "engines").iterdir() if p.is_dir()]
+    assert {p.name.split("-fp32-")[0] for p in folders} >= {"text", "tick", "tower-4", "decoder-tick-4-a"}
+    for folder in folders:
+        step = folder.name.split("-fp32-")[0]
+        sidecar = json.loads((folder / f"{step}.json").read_text())
+        assert sidecar["opset"] <= 20 and sidecar["recipe"] == {"recipe": "fp32"}
+        assert all(f["max_rel"] <= 1e-4 for f in sidecar["parity_onnxruntime_vs_torch"].values()), step
+        feeds = load_json(str(folder / "inputs.json"))
+        assert [sorted(feeds[0])] == [sorted(i["name"] for i in sidecar["inputs"])]
+        results = RunResults.load(str(folder / "outputs.json"))
+        assert sorted(results[0][1][0]) == sorted(o["name"] for o in sidecar["outputs"])
+
+
+def test_degrade_by_precision_runs_the_int8_recipe_of_the_same_model(tmp_path):
+    """scheduler.smaller_recipe: the smaller_engine level runs the same model's int8-ort engines."""
+    launch = onnxruntime_launch(tmp_path)
+    launch.write_text(launch.read_text().replace("[scheduler]\n", '[scheduler]\nsmaller_recipe = "int8-ort"\n', 1))
+    pipeline = Pipeline(load_launch(launch), warm_up_rounds=1)
+    assert pipeline.small.engines.recipe == "int8-ort" and pipeline.policy.engines.recipe == "fp32"
+    assert any(level.knobs.use_smaller_engine for level in pipeline.scheduler.levels)

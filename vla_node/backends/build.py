@@ -46,6 +46,9 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
     from polygraphy.comparator import RunResults
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.json import save_json
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # its "Saving ..." lines would drown the build's progress
 
     name, inputs = spec.name, spec.inputs()
     step = spec.build(model).eval()

@@ -326,6 +326,9 @@ def measure_node(preset: str = "small", seconds: float = 60.0, warmup_s: float =
         ports = [free_tcp_port() for _ in range(4)]
         addresses = TransportConfig(*(f"tcp://127.0.0.1:{p}" for p in ports))
         client = Client(addresses)
+        from vla_node.node.policies import build_launch_engines
+
+        build_launch_engines(config, str(launch), progress=lambda line: print(f"engines: {line}", flush=True))
         node = NodeProcess(launch, addresses, tmp_dir / "node.log")
         try:
             frames = road_frames()  # rendered while the node starts

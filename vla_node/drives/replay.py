@@ -270,6 +270,10 @@ def replay(
           f"cameras {dict(cameras)}, {len(commands)} commands; "
           + ("as fast as the node takes them" if as_fast_as_possible else f"at {rate:g}x")
           + (f", {loop} loops" if loop > 1 else ""), flush=True)
+    if not connect:  # the node starts from a built engine store: its engines built (or checked) here, with progress
+        from vla_node.node.policies import build_launch_engines
+
+        build_launch_engines(config, str(launch_path), progress=lambda line: print(f"engines: {line}", flush=True))
     result, receiver, node = _replay_through_node(
         reader, commands, cameras, config, launch_path, transport, out, connect=connect, rate=rate,
         as_fast_as_possible=as_fast_as_possible, loop=loop, progress=progress, warmup_timeout_s=warmup_timeout_s)

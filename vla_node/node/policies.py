@@ -143,3 +143,25 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
         engines = engine_set(config, main, choice.backend, config.scheduler.smaller_recipe, launch=launch)
         small = EnginePolicy(main, engines, config.cache, section.device, config.reuse)  # the weights shared
     return policy, small, choice
+
+
+def build_launch_engines(config: NodeConfig, launch: str | None = None, progress=_log_progress) -> BackendChoice:
+    """Build (or check) every engine the node of `config` would run on its resolved backend, the smaller engine's
+    too, with progress: what `vla-node build-engines`, the demo and the node benchmark run before a node starts, so
+    that it starts from a built store. Returns the backend choice (torch: nothing to build)."""
+    section = config.model
+    choice = resolve_backend(config)
+    if choice.backend in ("torch", "cudagraph"):
+        return choice  # nothing stored: the eager policy, or torch steps captured at start
+    main = load_model(section.model_config(), "plain", section.checkpoint, section.seed)
+    builds = [("main", main, choice.recipe)]
+    if config.scheduler.smaller_preset is not None:
+        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=main.config.max_text_tokens)
+        builds.append(("smaller", load_model(shapes, "plain", seed=section.seed), choice.recipe))
+    elif config.scheduler.smaller_recipe is not None:
+        builds.append(("smaller", main, config.scheduler.smaller_recipe))
+    for role, model, recipe in builds:
+        progress(f"{role} engine ({model.config.name}): {choice.backend}, {recipe} in {section.engines_dir}/")
+        engine_set(config, model, choice.backend, recipe, build=True, launch=launch,
+                   progress=lambda line: progress(f"  {line}"))
+    return choice
