@@ -44,10 +44,10 @@ class ModelSection:
     # the policy's steps as engines (runtime/engine_policy.py), resolved once at start, the first of backend and
     # `fallback` that this machine and configuration can run
     backend: str = "torch"
-    fallback: tuple[str, ...] = ()  # backends tried in order when `backend` cannot run here (e.g. ["onnxruntime", "torch"])
-    recipe: str = "fp32"  # engines' precision: fp32 | int8-ort (ONNX Runtime's fastest int8) | int8-trt (symmetric s8 Q/DQ)
+    fallback: tuple[str, ...] = ()  # tried in order when `backend` cannot run here (e.g. ["onnxruntime", "torch"])
+    recipe: str = "fp32"  # engines' precision: fp32 | int8-ort (ONNX Runtime's dynamic int8) | int8-trt (s8 Q/DQ)
     engines_dir: str = "engines"  # the engine store (relative paths: to the working directory)
-    calibration: str = "calib"  # int8-trt: the calibration sets' folder (`vla-node calibrate` writes calib/<model-hash>/)
+    calibration: str = "calib"  # int8-trt: where `vla-node calibrate` writes its sets (calib/<model-hash>/)
     build_engines: bool = True  # build missing or stale engines at start (false: refuse, naming the command)
     threads: int = 1  # torch intra-op threads; 0 = torch's default
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
@@ -78,6 +78,8 @@ class ModelSection:
         for key, value in (("model.backend", self.backend), *(("model.fallback", b) for b in self.fallback)):
             choose(key, value, {b: b for b in BACKENDS})
         require(self.recipe in RECIPES, "model.recipe", self.recipe, f"one of {list(RECIPES)}")
+        require(not (self.backend == "tensorrt" and self.recipe == "int8-ort"), "model.recipe", self.recipe,
+                "'fp32' or 'int8-trt' with backend 'tensorrt' (int8-ort is ONNX Runtime's dynamic quantization)")
         require(isinstance(self.engines_dir, str) and self.engines_dir != "", "model.engines_dir", self.engines_dir,
                 "a folder path")
         require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,

@@ -99,7 +99,8 @@ def test_calibrate_then_int8_trt_engines_and_a_new_calibration_rebuilds(tmp_path
     assert main(["calibrate", "--launch", str(launch), "--drive", str(drives[0]), "--frames-max", "12"]) == 0
     assert "wrote" in capsys.readouterr().out
     (folder,) = (tmp_path / "calib").iterdir()
-    assert {"manifest.json", "ranges.json", "weights.json", "tick.npz", "text.npz"} <= {p.name for p in folder.iterdir()}
+    files = {p.name for p in folder.iterdir()}
+    assert {"manifest.json", "ranges.json", "weights.json", "tick.npz", "text.npz"} <= files
     config = load_launch(launch)
     pipeline = Pipeline(config, warm_up_rounds=1)
     assert (pipeline.backend.backend, pipeline.backend.recipe) == ("onnxruntime", "int8-trt")
@@ -155,3 +156,23 @@ def test_degrade_by_precision_runs_the_int8_recipe_of_the_same_model(tmp_path):
     pipeline = Pipeline(load_launch(launch), warm_up_rounds=1)
     assert pipeline.small.engines.recipe == "int8-ort" and pipeline.policy.engines.recipe == "fp32"
     assert any(level.knobs.use_smaller_engine for level in pipeline.scheduler.levels)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('backend = "onnx"', "model.backend"),
+    ('fallback = ["torch", "tensor-rt"]', "model.fallback"),
+    ('recipe = "int4"', "model.recipe"),
+])
+def test_a_bad_backend_recipe_or_fallback_is_named_at_load(tmp_path, line, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(TINY_LAUNCH.read_text().replace("[model]\n", f"[model]\n{line}\n", 1))
+    with pytest.raises(ConfigError, match=message):
+        load_launch(path)
+
+
+def test_a_smaller_engine_is_a_preset_or_a_recipe_not_both(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text(TINY_LAUNCH.read_text().replace(
+        "[scheduler]\n", '[scheduler]\nsmaller_preset = "tiny"\nsmaller_recipe = "int8-ort"\n', 1))
+    with pytest.raises(ConfigError, match="smaller_recipe"):
+        load_launch(path)

@@ -5,7 +5,8 @@ and calls `run` per tick or frame (openpilot modeld's ModelState.run: named inpu
 
     TorchEngine        the step module itself, eager (the reference every other engine is checked against)
     OnnxRuntimeEngine  the step's exported ONNX graph in ONNX Runtime, bound by pointer (IOBinding): nothing is
-                       copied or allocated per call on the CPU execution provider
+                       copied or allocated per call (CPU tensors; CUDA tensors where the CUDA or TensorRT execution
+                       provider runs the session, never tried here: no GPU)
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class OnnxRuntimeEngine:
         self.session = ort.InferenceSession(str(path), options, providers=list(providers))
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
+        gpu = {"CUDAExecutionProvider", "TensorrtExecutionProvider"} & set(self.session.get_providers())
+        self.devices = ("cpu", "cuda") if gpu else ("cpu",)  # where the bound tensors may live
         self.max_bindings = max_bindings
         self.bindings: dict[tuple, object] = {}  # buffer_signature -> its IOBinding
 
@@ -82,10 +85,12 @@ class OnnxRuntimeEngine:
         binding = self.session.io_binding()
         for name, tensor, bind in ([(n, inputs[n], binding.bind_input) for n in self.input_names]
                                    + [(n, outputs[n], binding.bind_output) for n in self.output_names]):
-            if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in _NUMPY:
-                raise ValueError(f"{name}: a contiguous CPU tensor of {sorted(map(str, _NUMPY))} expected, got "
-                                 f"{tensor.dtype} on {tensor.device} (contiguous: {tensor.is_contiguous()})")
-            bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+            device = tensor.device.type
+            if device not in self.devices or not tensor.is_contiguous() or tensor.dtype not in _NUMPY:
+                raise ValueError(f"{name}: a contiguous tensor on {'/'.join(self.devices)} of "
+                                 f"{sorted(map(str, _NUMPY))} expected, got {tensor.dtype} on {tensor.device} "
+                                 f"(contiguous: {tensor.is_contiguous()})")
+            bind(name, device, tensor.device.index or 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
         return binding
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:

@@ -181,9 +181,6 @@ class EngineSet:
     def __getitem__(self, step: str) -> Engine:
         return self.engines[step]
 
-    def describe(self) -> dict:
-        return {"backend": self.backend, "recipe": self.recipe, "steps": sorted(self.engines)}
-
 
 def torch_engines(model: VLA, specs: Mapping[str, StepSpec]) -> EngineSet:
     """The step modules themselves, eagerly: the reference every other backend is checked against."""

@@ -9,7 +9,11 @@ same references.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
+import warnings
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -32,6 +36,22 @@ def parity(expected: Sequence[np.ndarray], got: Sequence[np.ndarray], names: Seq
     return figures
 
 
+@contextlib.contextmanager
+def quiet_exporter():
+    """The exporter's notes that say nothing about this graph (torchvision's ops skipped, a pytree deprecation) kept
+    out of the build's progress; its errors still raise."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            with contextlib.redirect_stdout(io.StringIO()):  # "[torch.onnx] Obtain model graph ..." lines
+                yield
+    finally:
+        logger.setLevel(level)
+
+
 def export_step(step: nn.Module, inputs: Mapping[str, torch.Tensor], output_names: Sequence[str], path: str | Path,
                 opset: int = OPSET) -> dict:
     """Export `step` called with `inputs` (in order) to `path`, check it, run it in ONNX Runtime, and write the
@@ -44,8 +64,9 @@ def export_step(step: nn.Module, inputs: Mapping[str, torch.Tensor], output_name
     names = list(inputs)
     args = tuple(inputs[name] for name in names)
     step = step.eval()
-    torch.onnx.export(step, args, str(path), dynamo=True, opset_version=opset, input_names=names,
-                      output_names=list(output_names), verbose=False)
+    with quiet_exporter():
+        torch.onnx.export(step, args, str(path), dynamo=True, opset_version=opset, input_names=names,
+                          output_names=list(output_names), verbose=False)
     graph = onnx.load(str(path))
     onnx.checker.check_model(graph)
     with torch.inference_mode():

@@ -2,8 +2,9 @@
 order that this machine and configuration can run.
 
     torch        the eager policy (runtime/policy.py): every configuration, weights as the launch file says
-    onnxruntime  the engine policy (runtime/engine_policy.py) on ONNX Runtime's CPU provider, the engines from the
-                 store (engines/), built at start where missing or stale
+    onnxruntime  the engine policy (runtime/engine_policy.py) on ONNX Runtime (its CPU provider; on a GPU its
+                 TensorRT and CUDA providers, never tried here), the engines from the store (engines/), built at
+                 start where missing or stale
     tensorrt     the engine policy on TensorRT engines (a CUDA GPU and the tensorrt package)
     cudagraph    the engine policy on the torch steps captured as CUDA graphs (a CUDA GPU)
 
@@ -40,9 +41,6 @@ class BackendChoice:
     recipe: str  # engines: the recipe; torch: the weight format (fp32, fp16 weights, packed bf16 ...)
     skipped: tuple[str, ...] = ()  # the backends tried first, each with why it could not run
 
-    def describe(self) -> dict:
-        return {"backend": self.backend, "recipe": self.recipe, "skipped": list(self.skipped)}
-
 
 def _unavailable(backend: str, device: str) -> str | None:
     """Why this machine cannot run `backend` (None: it can)."""
@@ -50,10 +48,12 @@ def _unavailable(backend: str, device: str) -> str | None:
         return None
     if backend == "onnxruntime":
         try:
-            import onnxruntime  # noqa: F401
+            import onnxruntime
         except ImportError as e:
             return f"onnxruntime is not installed ({e})"
-        return None if device == "cpu" else f"runs on the CPU here (model.device = {device!r})"
+        if device == "cpu" or "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            return None
+        return f"this onnxruntime has no CUDA execution provider (model.device = {device!r})"
     if not torch.cuda.is_available() or not device.startswith("cuda"):
         return f"needs a CUDA GPU and model.device = 'cuda' (device {device!r}, CUDA available: " \
                f"{torch.cuda.is_available()})"

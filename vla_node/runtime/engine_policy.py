@@ -115,7 +115,8 @@ class EnginePolicy(MultiRatePolicy):
     def storage_tensors(self) -> list[torch.Tensor]:
         buffers = [self._ids, self._text_block_bias, *self._new_text.values(), self._text_k, self._text_v,
                    self._text_bias, self._prefix_k, self._prefix_v, self._prefix_bias, self._pixels,
-                   *self._frame.values(), *self._streams.values(), self._state_x, self._tick_positions_buf, self._tick_block_bias,
+                   *self._frame.values(), *self._streams.values(), self._state_x, self._tick_positions_buf,
+                   self._tick_block_bias,
                    *self._tick_out.values()]
         for group in (*self._tower, *self._decoder, *self._tower_rows.values(), *self._decoder_rows.values()):
             buffers.extend(group.values())
@@ -243,8 +244,9 @@ class EnginePolicy(MultiRatePolicy):
         for name, value in zip(("rows", "sample_at", "sample_weight"), tower_rows(tokens, Tc, k, self.samples)):
             rows[name].copy_(value)
         live, staged = self._tower
-        inputs = {"pixels": self._pixels, **rows, **{n: live[n] for n in ("x0", "q", "k", "v", "attn_out", "mlp_out")}}
-        outputs = {"out": staged["out"], **{f"{n}_new": staged[n] for n in ("x0", "q", "k", "v", "attn_out", "mlp_out")}}
+        names = ("x0", "q", "k", "v", "attn_out", "mlp_out")
+        inputs = {"pixels": self._pixels, **rows, **{n: live[n] for n in names}}
+        outputs = {"out": staged["out"], **{f"{n}_new": staged[n] for n in names}}
         self.engines[f"tower-{k}"].run(inputs, outputs)
         return int((rows["rows"] < Tc).sum())
 
