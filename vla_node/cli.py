@@ -59,6 +59,10 @@ def cmd_bench(args) -> int:
         from vla_node.bench import engines
 
         engines.run(**bench_kwargs(args, "preset_name", "iters", "threads"))
+    elif args.what == "recipes":
+        from vla_node.bench import recipes
+
+        recipes.run(args.drives, **bench_kwargs(args, "preset", "max_frames", "calibration_frames"))
     elif args.what == "attention":
         from vla_node.bench import attention
 
@@ -299,7 +303,7 @@ def add_drive_commands(sub) -> None:
 
 
 def add_bench_commands(sub) -> None:
-    """bench model | cache | node | engines | attention | reuse."""
+    """bench model | cache | node | engines | recipes | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     add_bench_shared(p)
     bench = p.add_subparsers(dest="what", required=True)
@@ -320,6 +324,11 @@ def add_bench_commands(sub) -> None:
     q = bench_parser(bench, "engines", "each pure step in torch and ONNX Runtime (fp32, int8), with parity")
     q.add_argument("--iters", type=int, help="timed rounds (default 10)")
     add_threads(q)
+    q = bench_parser(bench, "recipes", "each engine recipe's accuracy on real frames against the torch steps in fp32")
+    q.add_argument("drives", nargs="+", help="mp4 files or drives")
+    q.add_argument("--max-frames", type=int, help="first frames of each drive, at its rate (default 30)")
+    q.add_argument("--calibration-frames", type=int,
+                   help="synthetic frames the int8-trt calibration records (default 8)")
     q = bench_parser(bench, "attention", "segmented against gathered attention over the partitions")
     add_threads(q)
     q = bench_parser(bench, "reuse", "vision-token reuse on real clips: reuse ratio, time saved, action deviation")
