@@ -1,7 +1,8 @@
 """The engine policy on the three real clips: the first 30 frames of each (at the recorded rate), every frame
 processed through the reuse gate as the node runs it (threshold 8, the node's cache), each with its tick in the
-frame's pass and a separate tick after it; backend onnxruntime (fp32) against the torch steps, and the int8
-recipe's deviation."""
+frame's pass and a separate tick after it; backend onnxruntime (fp32) against the torch steps. The int8 recipes'
+deviation on these clips is `vla-node bench recipes`'s (it calibrates int8-trt first: minutes more than a test
+should take)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from vla_node.runtime.engine_policy import EnginePolicy
 from vla_node.runtime.reuse import ReuseConfig, ReuseGate
 
 pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
-# building the small model's fp32 and int8 engines (~4 min on 2 vCPUs) is part of the first test's setup
+# building the small model's fp32 engines (~2 min on 2 vCPUs) is part of the first test's setup
 pytestmark = pytest.mark.timeout(1500)
 CLIPS = ("day_freeway_solid_white_right.mp4", "day_freeway_two_cars.mp4", "day_freeway_tree_shadows.mp4")
 FRAMES, FPS = 30, "native"  # the first 30 frames of each clip at its recorded rate (25-30 fps)
@@ -53,8 +54,7 @@ def runs(drives_dir, tmp_path_factory):
     specs = step_specs(config, ReuseConfig().shared_drift_samples, tick_in_frame=True)
     store = EngineStore(tmp_path_factory.mktemp("engines"))
     engines = {"torch": torch_engines(model, specs),
-               **{recipe: exported_engines(model, specs, "onnxruntime", recipe, store)
-                  for recipe in ("fp32", "int8-ort")}}
+               "fp32": exported_engines(model, specs, "onnxruntime", "fp32", store)}
     out = {}
     for path in paths:
         frames = load_frames(path, FPS, FRAMES, config.image_size)
@@ -75,17 +75,6 @@ def test_onnxruntime_agrees_with_the_torch_steps_on_every_clip(runs):
         print(f"{clip}: onnxruntime fp32 vs torch steps: bins agree {bins:.4f}, worst logit error {worst:.2e}")
         assert bins >= MIN_BIN_AGREEMENT, clip
         assert worst < 1e-3, clip
-
-
-def test_the_int8_recipes_deviation_is_reported_and_bounded(runs):
-    """int8-ort (dynamic int8 weights): its deviation from fp32 on real frames; bounded loosely (random weights
-    make near-ties common), reported for the closing note."""
-    for clip, by_backend in runs.items():
-        bins = agreement(by_backend["torch"], by_backend["int8-ort"])
-        errors = [logit_rel_err(x.logits, y.logits) for x, y in zip(by_backend["torch"], by_backend["int8-ort"])]
-        print(f"{clip}: onnxruntime int8-ort vs torch fp32: bins agree {bins:.4f}, logit error mean "
-              f"{np.mean(errors):.3f} max {np.max(errors):.3f}")
-        assert np.max(errors) < 0.25, clip
 
 
 def test_the_node_on_onnxruntime_replays_a_real_clip_at_1x(tmp_path, drives_dir):

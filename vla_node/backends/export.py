@@ -40,16 +40,18 @@ def parity(expected: Sequence[np.ndarray], got: Sequence[np.ndarray], names: Seq
 def quiet_exporter():
     """The exporter's notes that say nothing about this graph (torchvision's ops skipped, a pytree deprecation) kept
     out of the build's progress; its errors still raise."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript")]  # onnxscript: constant folding
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)
             with contextlib.redirect_stdout(io.StringIO()):  # "[torch.onnx] Obtain model graph ..." lines
                 yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def export_step(step: nn.Module, inputs: Mapping[str, torch.Tensor], output_names: Sequence[str], path: str | Path,

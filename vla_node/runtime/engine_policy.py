@@ -205,6 +205,7 @@ class EnginePolicy(MultiRatePolicy):
         if tick:
             s = check_state(state, c.state_dim).to(self.device, torch.float32)
         self._pixels.copy_(to_pixels(images, torch.float32))
+        _stop(check, 0.0, "stopped before the vision tower")
         refreshed = self._run_tower(tokens)
         _stop(check, 0.5, "stopped after the vision tower")
         flat = torch.cat([cam * Tc + t for cam, t in enumerate(tokens)]) if partial else None  # [n] frame tokens
