@@ -102,8 +102,8 @@ def run(drives: list[str], preset: str | None = None, max_frames: int = 30, cali
                 figures[name] = {"ms_per_frame": round(ms, 1),
                                  "bins_equal": round(float(np.mean([(a.bins == b.bins).mean()
                                                                     for a, b in zip(chunks, reference)])), 4),
-                                 "logit_err_mean": round(float(np.mean(errors)), 4),
-                                 "logit_err_max": round(float(np.max(errors)), 4)}
+                                 "logit_err_mean": float(f"{np.mean(errors):.3g}"),
+                                 "logit_err_max": float(f"{np.max(errors):.3g}")}
             result["drives"][Path(drive).name] = {"frames": len(frames), "recipes": figures}
     print(table(result))
     if json_path is not None:
@@ -118,5 +118,5 @@ def table(result: dict) -> str:
     for drive, entry in result["drives"].items():
         for recipe, f in entry["recipes"].items():
             lines.append(f"{drive:<40}{recipe:<24}{f['ms_per_frame']:>9.1f}{f['bins_equal']:>12.4f}"
-                         f"{f['logit_err_mean']:>16.4f}{f['logit_err_max']:>8.4f}")
+                         f"{f['logit_err_mean']:>16.3g}{f['logit_err_max']:>8.3g}")
     return "\n".join(lines)
