@@ -66,8 +66,8 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _kv(c: ModelConfig, tokens: int, g: torch.Generator, layers: int | None = None) -> torch.Tensor:
-    return torch.randn(layers or c.num_layers, c.num_kv_heads, tokens, c.head_dim, generator=g) * 0.5
+def _kv(c: ModelConfig, tokens: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(c.num_layers, c.num_kv_heads, tokens, c.head_dim, generator=g) * 0.5  # [L, KV, n, hd]
 
 
 def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, StepSpec]:
