@@ -133,9 +133,10 @@ def test_the_cudagraph_engine_equals_the_eager_step_and_replays_on_the_same_buff
     model = build_vla(preset("tiny"), seed=0).cuda()
     for name, spec in step_specs(model.config, 8, tick_in_frame=True).items():
         inputs = {n: t.cuda() for n, t in spec.inputs().items()}
-        eager, graph = (cls(spec.build(model), list(inputs), spec.outputs) for cls in (TorchEngine, CudaGraphEngine))
+        eager, graph = (cls(spec.build(model).cuda(), list(inputs), spec.outputs)
+                        for cls in (TorchEngine, CudaGraphEngine))
         with torch.inference_mode():
-            results = spec.build(model)(*inputs.values())
+            results = spec.build(model).cuda()(*inputs.values())
         expected = {n: torch.empty_like(t) for n, t in zip(spec.outputs, results)}
         got = {n: torch.empty_like(t) for n, t in expected.items()}
         for round_ in range(3):
@@ -159,17 +160,18 @@ def test_the_engine_policy_on_cudagraph_follows_the_eager_policy_on_cuda():
     config = preset("tiny")
     model = build_vla(config, seed=0)
     specs = step_specs(config, 8, tick_in_frame=True)
-    engines = EngineSet("cudagraph", "fp32", {n: CudaGraphEngine(s.build(model), list(s.inputs()), s.outputs)
+    engines = EngineSet("cudagraph", "fp32", {n: CudaGraphEngine(s.build(model).cuda(), list(s.inputs()), s.outputs)
                                               for n, s in specs.items()})
     ours = EnginePolicy(model, engines, CacheConfig.exact(), device="cuda")
     eager = MultiRatePolicy(build_vla(config, seed=0), CacheConfig.exact(), device="cuda")
     for policy in (ours, eager):
         policy.update_text("keep lane")
-    for frame, state in drive(8):
+    for i, (frame, state) in enumerate(drive(8)):
+        tokens = None if i == 0 else [torch.tensor([i % config.tokens_per_camera])]  # partial after the first
         chunks = []
         for policy in (ours, eager):
             images = policy.prepare_frames([frame])
-            policy.update_vision(images, None, False, None, state)
+            policy.update_vision(images, tokens, False, None, state)
             chunks.append(policy.action_tick(state))
         a, b = chunks
         assert (a.bins == b.bins).all()

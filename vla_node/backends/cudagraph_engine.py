@@ -2,7 +2,8 @@
 
 The caller's input and output tensors are the graph's static buffers: the capture records the step reading the
 inputs' addresses and copying its results into the outputs', so a call is one `replay()` (no Python per op, no
-allocation). New buffers (another pointer, shape or dtype) are captured anew. CUDA only; not run in this project's
+allocation). A graph is kept per set of buffers (at most `max_graphs`): a caller alternating between two sets (a
+live and a staged state that swap on commit) captures each once. CUDA only; not run in this project's
 CI (no GPU): `.ci/gpu` compares it with the eager step.
 """
 
@@ -18,22 +19,21 @@ from vla_node.backends.engine import buffer_signature
 
 class CudaGraphEngine:
     def __init__(self, step: nn.Module, input_names: Sequence[str], output_names: Sequence[str],
-                 warmup_calls: int = 2) -> None:
+                 warmup_calls: int = 2, max_graphs: int = 4) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(f"backend 'cudagraph': no CUDA GPU visible to torch {torch.__version__}; pick "
                                "onnxruntime or torch")
         self.step = step.eval()
         self.input_names, self.output_names = tuple(input_names), tuple(output_names)
-        self.warmup_calls = warmup_calls
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._bound: tuple | None = None
+        self.warmup_calls, self.max_graphs = warmup_calls, max_graphs
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # buffer_signature -> its graph
 
     def _call(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
         results = self.step(*(inputs[n] for n in self.input_names))
         for name, value in zip(self.output_names, results):
             outputs[name].copy_(value)
 
-    def _capture(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+    def _capture(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> torch.cuda.CUDAGraph:
         for name, t in [*inputs.items(), *outputs.items()]:
             if not t.is_cuda:
                 raise ValueError(f"{name}: a CUDA tensor expected, got one on {t.device}")
@@ -46,9 +46,13 @@ class CudaGraphEngine:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph):
             self._call(inputs, outputs)
-        self._graph, self._bound = graph, buffer_signature(inputs, outputs)
+        return graph
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        if buffer_signature(inputs, outputs) != self._bound:
-            self._capture(inputs, outputs)
-        self._graph.replay()
+        signature = buffer_signature(inputs, outputs)
+        graph = self.graphs.get(signature)
+        if graph is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))  # the oldest
+            graph = self.graphs[signature] = self._capture(inputs, outputs)
+        graph.replay()

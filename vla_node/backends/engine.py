@@ -76,7 +76,7 @@ class OnnxRuntimeEngine:
         gpu = {"CUDAExecutionProvider", "TensorrtExecutionProvider"} & set(self.session.get_providers())
         self.devices = ("cpu", "cuda") if gpu else ("cpu",)  # where the bound tensors may live
         self.max_bindings = max_bindings
-        self.bindings: dict[tuple, object] = {}  # buffer_signature -> its IOBinding
+        self.bindings: dict[tuple, tuple] = {}  # buffer_signature -> (its IOBinding, whether it binds CUDA memory)
 
     def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]):
         """A new IOBinding of the caller's tensors (checked: names, device, layout, dtype)."""
@@ -95,9 +95,15 @@ class OnnxRuntimeEngine:
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
         signature = buffer_signature(inputs, outputs)
-        binding = self.bindings.get(signature)
-        if binding is None:
+        bound = self.bindings.get(signature)
+        if bound is None:
             if len(self.bindings) >= self.max_bindings:
                 self.bindings.pop(next(iter(self.bindings)))  # the oldest
-            binding = self.bindings[signature] = self.bind(inputs, outputs)
+            on_gpu = any(t.is_cuda for t in (*inputs.values(), *outputs.values()))
+            bound = self.bindings[signature] = (self.bind(inputs, outputs), on_gpu)
+        binding, on_gpu = bound
+        if on_gpu:  # ONNX Runtime's stream does not wait for torch's: the inputs must be written first
+            torch.cuda.current_stream().synchronize()
         self.session.run_with_iobinding(binding)
+        if on_gpu:
+            binding.synchronize_outputs()

@@ -38,6 +38,7 @@ from vla_node.model.config import ModelConfig
 from vla_node.model.vla import VLA
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "cudagraph")
+STEPS_VERSION = 1  # in every engine's key: bump when a step's arithmetic changes (same shapes, other results)
 CAPACITY_FRACTIONS = (0.25, 0.5)  # partial-refresh capacities below the full refresh, as fractions of the tokens
 
 
@@ -50,6 +51,7 @@ class StepSpec:
     build: Callable[[VLA], nn.Module]
     inputs: Callable[[], dict[str, torch.Tensor]]  # seeded example inputs (valid indices and biases)
     outputs: tuple[str, ...]
+    options: str = ""  # what else the module's arithmetic depends on (the engine store's key holds it)
 
     def shapes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return tuple((n, tuple(t.shape)) for n, t in self.inputs().items())
@@ -98,9 +100,10 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
         return {"state_x": rows["state_x"], "positions": rows["tick_positions"], "prefix_k": _kv(c, P, g),
                 "prefix_v": _kv(c, P, g), "bias": rows["tick_bias"]}
 
+    options = f"steps v{STEPS_VERSION}; shared-drift samples {samples}"  # samples 0 and 1: same shapes
     specs = {
-        "text": StepSpec("text", TextStep, text_inputs, ("text_k", "text_v")),
-        "tick": StepSpec("tick", TickStep, tick_inputs, ("logits", "state_k", "state_v")),
+        "text": StepSpec("text", TextStep, text_inputs, ("text_k", "text_v"), f"steps v{STEPS_VERSION}"),
+        "tick": StepSpec("tick", TickStep, tick_inputs, ("logits", "state_k", "state_v"), f"steps v{STEPS_VERSION}"),
     }
     C, Lv, W, Hv = c.num_cameras, c.vision_layers, c.vision_width, c.vision_heads
     for k in capacities(Tc, samples):
@@ -115,7 +118,7 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
                     "sample_at": sample_at, "sample_weight": weight, **state}
 
         specs[f"tower-{k}"] = StepSpec(f"tower-{k}", lambda m, k=k: TowerPartialStep(m, k, samples), tower_inputs,
-                                       TOWER_OUTPUTS)
+                                       TOWER_OUTPUTS, options)
     L, H, hd, hidden = c.num_layers, c.num_heads, c.head_dim, c.hidden_size
     cut = decoder_cut(c)
     for k in capacities(T, samples):
@@ -151,7 +154,7 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
                     build = (lambda m, k=k, tick=tick, start=start: DecoderRestStep(m, k, samples, tick, start))
                 specs[name] = StepSpec(name, build,
                                        lambda k=k, tick=tick, first=start == 0: decoder_inputs(k, tick, first),
-                                       outputs)
+                                       outputs, options)
     return specs
 
 
@@ -182,11 +185,11 @@ class EngineSet:
         return self.engines[step]
 
 
-def torch_engines(model: VLA, specs: Mapping[str, StepSpec]) -> EngineSet:
-    """The step modules themselves, eagerly: the reference every other backend is checked against."""
+def torch_engines(model: VLA, specs: Mapping[str, StepSpec], device: str = "cpu") -> EngineSet:
+    """The step modules themselves, eagerly, on `device`: the reference every other backend is checked against."""
     engines = {}
     for name, spec in specs.items():
-        engines[name] = TorchEngine(spec.build(model), list(spec.inputs()), spec.outputs)
+        engines[name] = TorchEngine(spec.build(model).to(device), list(spec.inputs()), spec.outputs)
     return EngineSet("torch", "fp32", engines)
 
 
@@ -208,7 +211,7 @@ def exported_engines(model: VLA, specs: Mapping[str, StepSpec], backend: str, re
     engines, folders = {}, {}
     for index, (name, spec) in enumerate(specs.items()):
         key = EngineKey(step=name, recipe=recipe, backend=backend, backend_version=version, device=where,
-                        weights=digest, shapes=spec.shapes(),
+                        weights=digest, shapes=spec.shapes(), options=spec.options,
                         calibration=calibration.step_digest(name) if recipe == "int8-trt" and calibration else None)
         started = time.monotonic()
         built = []

@@ -42,6 +42,7 @@ class EngineKey:
     weights: str                   # weights_digest of the model
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # every input's name and shape
     calibration: str | None = None  # the calibration set's hash, for int8 recipes
+    options: str = ""  # what else the step's arithmetic depends on (its code version, the shared-drift sample)
 
     def digest(self) -> str:
         fields = json.dumps(dataclasses.asdict(self), sort_keys=True)

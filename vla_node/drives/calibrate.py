@@ -85,7 +85,8 @@ def calibrate(config: NodeConfig, images: Iterator[list[np.ndarray]], source: st
     c = model.config
     samples = config.reuse.shared_drift_samples
     specs = step_specs(c, samples, tick_in_frame=True)
-    recorders = {name: StepRecorder(engine, limit) for name, engine in torch_engines(model, specs).engines.items()}
+    engines = torch_engines(model, specs, section.device).engines
+    recorders = {name: StepRecorder(engine, limit) for name, engine in engines.items()}
     policy = EnginePolicy(model, EngineSet("torch", "fp32", recorders), config.cache, section.device, config.reuse)
     gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in range(c.num_cameras)]
     bucket_tokens = [max(1, k - samples) for k in capacities(c.tokens_per_camera, samples)]

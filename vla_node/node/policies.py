@@ -71,10 +71,12 @@ def resolve_backend(config: NodeConfig) -> BackendChoice:
     skipped = []
     for backend in dict.fromkeys((section.backend, *section.fallback)):
         why = _unavailable(backend, section.device)
+        if why is None and backend == "tensorrt" and "int8-ort" in (section.recipe, config.scheduler.smaller_recipe):
+            why = "int8-ort is ONNX Runtime's dynamic quantization (tensorrt runs fp32 or int8-trt)"
         if why is None and backend != "torch":
             why = unsupported(section.model_config(), config.cache, config.reuse)
         if why is None:
-            recipe = section.recipe if backend != "torch" else f"{section.resolved_weights} weights"
+            recipe = {"torch": f"{section.resolved_weights} weights", "cudagraph": "fp32"}.get(backend, section.recipe)
             return BackendChoice(backend, recipe, tuple(skipped))
         skipped.append(f"{backend}: {why}")
     raise ConfigError(f"model.backend {section.backend!r} with fallback {list(section.fallback)}: none can run here "
@@ -87,12 +89,12 @@ def engine_set(config: NodeConfig, model: VLA, backend: str, recipe: str, *, bui
     section = config.model
     specs = step_specs(model.config, config.reuse.shared_drift_samples, tick_in_frame=True)
     if backend == "torch":
-        return torch_engines(model, specs)
+        return torch_engines(model, specs, section.device)
     if backend == "cudagraph":
         from vla_node.backends.cudagraph_engine import CudaGraphEngine
 
-        engines = {name: CudaGraphEngine(spec.build(model), list(spec.inputs()), spec.outputs)
-                   for name, spec in specs.items()}
+        engines = {name: CudaGraphEngine(spec.build(model).to(section.device), list(spec.inputs()), spec.outputs)
+                   for name, spec in specs.items()}  # the steps' own buffers too (query ids, row indices)
         return EngineSet("cudagraph", "fp32", engines)
     calibration = None
     if recipe == "int8-trt":

@@ -5,7 +5,9 @@ quantization, commits and transactions, the reuse plans. What changes is who com
 input buffers of pure static-shape steps (backends/engine_set.py), runs them (`Engine.run(inputs, outputs)`
 into buffers this policy owns) and commits their outputs:
 
-    update_text    text            | decoder-T-a | decoder-T-b over the held frame (it attends to the text)
+    update_text    text            | decoder-T-a | decoder-T-b over the held frame (it attends to the text; the
+                                     decoder's reuse state is then the new instruction's, so the next frame may
+                                     refresh partially, where the eager policy refreshes the decoder in full)
     update_vision  tower-K (every camera) | decoder-K-a | decoder-K-b, or decoder-tick-K-a | -b with the action
                                             tick in the frame's pass
     action_tick    tick (the fused form: the new state, the other stored states recomputed, the queries)
@@ -86,6 +88,7 @@ class EnginePolicy(MultiRatePolicy):
         self._new_text = {"text_k": kv(Tt), "text_v": kv(Tt)}
         # the committed text and the tick's prefix (text | vision), as the partitions store them, in fp32
         self._text_k, self._text_v, self._text_bias = kv(Tt), kv(Tt), zeros(Tt)
+        self._new_text_bias = zeros(Tt)  # the new instruction's validity, while its stage runs
         self._prefix_k, self._prefix_v, self._prefix_bias = kv(P), kv(P), zeros(P)
         # the tower's per-camera state and the decoder's (FrameTokenCache's layout), live and staged
         self._tower = [{"x0": zeros(C, Tc, W), "q": zeros(C, Lv, Hv, Tc, W // Hv), "k": zeros(C, Lv, Hv, Tc, W // Hv),
@@ -110,11 +113,10 @@ class EnginePolicy(MultiRatePolicy):
         self._tick_block_bias = zeros(S + Q, P + S + Q)
         self._tick_out = {"logits": zeros(Q, c.vocab_size), "state_k": kv(S), "state_v": kv(S)}
         self._other_slots = [torch.tensor([(slot + i) % S for i in range(1, S)], dtype=torch.long) for slot in range(S)]
-        self._all_tokens = torch.arange(T)
 
     def storage_tensors(self) -> list[torch.Tensor]:
-        buffers = [self._ids, self._text_block_bias, *self._new_text.values(), self._text_k, self._text_v,
-                   self._text_bias, self._prefix_k, self._prefix_v, self._prefix_bias, self._pixels,
+        buffers = [self._ids, self._text_block_bias, *self._new_text.values(), self._new_text_bias, self._text_k,
+                   self._text_v, self._text_bias, self._prefix_k, self._prefix_v, self._prefix_bias, self._pixels,
                    *self._frame.values(), *self._streams.values(), self._state_x, self._tick_positions_buf,
                    self._tick_block_bias,
                    *self._tick_out.values()]
@@ -163,11 +165,9 @@ class EnginePolicy(MultiRatePolicy):
         if held:
             total = n + c.tokens_per_frame
             _stop(check, n / total, "stopped before the frame's decoder step")
-            valid = torch.zeros(c.max_text_tokens, dtype=torch.bool)
-            valid[:n] = True
-            text_valid_bias = torch.zeros(c.max_text_tokens).masked_fill_(~valid, float("-inf"))
+            self._new_text_bias.zero_()[n:] = float("-inf")
             self._run_decoder(self._tower[0]["out"], None, self._new_text["text_k"], self._new_text["text_v"],
-                              text_valid_bias, None, check, (n + total) / (2 * total))
+                              self._new_text_bias, None, check, (n + total) / (2 * total))
         # commit: nothing above touched the cache
         positions = torch.arange(n)
         self.text.clear()
@@ -198,12 +198,12 @@ class EnginePolicy(MultiRatePolicy):
                   for cam, t in enumerate(tokens)]
         partial = bool(self._frame_ids) and all(t is not None for t in tokens) \
             and self._decoder_context == self.instruction
-        if partial and all(t.numel() == 0 for t in tokens):  # nothing changed: the cache stays as it is
-            self.frame_count += 1
-            return VisionUpdate(self.frame_count - 1, 0, c.tokens_per_frame, False, None)
         tick = state is not None
         if tick:
             s = check_state(state, c.state_dim).to(self.device, torch.float32)
+        if partial and all(t.numel() == 0 for t in tokens):  # nothing changed: the cache stays as it is
+            self.frame_count += 1
+            return VisionUpdate(self.frame_count - 1, 0, c.tokens_per_frame, False, None)
         self._pixels.copy_(to_pixels(images, torch.float32))
         _stop(check, 0.0, "stopped before the vision tower")
         refreshed = self._run_tower(tokens)
