@@ -21,7 +21,7 @@ def test_bench_recipes_reports_every_recipe_against_the_torch_steps(tmp_path, ca
     frames = [np.roll(base, shift, axis=1) for shift in range(8)]  # a scene panning by a pixel a frame
     clip = tmp_path / "pan.mp4"
     write_mp4(clip, frames)
-    result = recipes.run([str(clip)], preset="tiny", max_frames=6, calibration_frames=8,
+    result = recipes.run([str(clip)], preset="tiny", max_frames=4, calibration_frames=6,
                          json_path=str(tmp_path / "recipes.json"))
     assert json.loads((tmp_path / "recipes.json").read_text()) == result
     figures = result["drives"]["pan.mp4"]["recipes"]
