@@ -11,12 +11,13 @@ import pytest
 
 from vla_node.backends.engine_set import exported_engines, step_specs, torch_engines
 from vla_node.backends.store import EngineStore
-from vla_node.bench.reuse import INSTRUCTION, ego_state, gate_tokens, load_frames, logit_rel_err
+from vla_node.bench.recipes import gated_chunks
+from vla_node.bench.reuse import load_frames, logit_rel_err
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
 from vla_node.model.vla import build_vla
 from vla_node.runtime.engine_policy import EnginePolicy
-from vla_node.runtime.reuse import ReuseConfig, ReuseGate
+from vla_node.runtime.reuse import ReuseConfig
 
 pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
 # building the small model's fp32 engines (~2 min on 2 vCPUs) is part of the first test's setup
@@ -24,24 +25,6 @@ pytestmark = pytest.mark.timeout(1500)
 CLIPS = ("day_freeway_solid_white_right.mp4", "day_freeway_two_cars.mp4", "day_freeway_tree_shadows.mp4")
 FRAMES, FPS = 30, "native"  # the first 30 frames of each clip at its recorded rate (25-30 fps)
 MIN_BIN_AGREEMENT = 0.99  # onnxruntime fp32 against the torch steps, over every bin of every chunk
-
-
-def chunks(policy: EnginePolicy, frames: list[np.ndarray]) -> list:
-    c = policy.config
-    reuse = ReuseConfig()
-    gate = ReuseGate(reuse, c.image_size, c.patch_size)
-    state = ego_state(c)
-    policy.update_text(INSTRUCTION)
-    out = []
-    for frame in frames:
-        images = frame[None]  # [S, S, 3] -> [1, S, S, 3]
-        plan = gate.plan(images[0])
-        tokens, scene_cut = gate_tokens([plan], c.tokens_per_camera)
-        update = policy.update_vision(images, tokens, scene_cut, None, state)
-        gate.commit(plan, images[0])
-        out.append(update.chunk if update.chunk is not None else policy.action_tick(state))
-        out.append(policy.action_tick(state))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +42,8 @@ def runs(drives_dir, tmp_path_factory):
     for path in paths:
         frames = load_frames(path, FPS, FRAMES, config.image_size)
         assert len(frames) == FRAMES
-        out[path.name] = {name: chunks(EnginePolicy(model, e, CacheConfig()), frames) for name, e in engines.items()}
+        out[path.name] = {name: gated_chunks(EnginePolicy(model, e, CacheConfig()), frames, ReuseConfig())[0]
+                          for name, e in engines.items()}
     return out
 
 

@@ -52,6 +52,8 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
 
     name, inputs = spec.name, spec.inputs()
     step = spec.build(model).eval()
+    with torch.inference_mode():
+        expected = [_numpy(t) for t in step(*inputs.values())]
     fp32 = folder / f"{name}.fp32.onnx"
     sidecar = export_step(step, inputs, spec.outputs, fp32)
     graph = folder / f"{name}.onnx"
@@ -63,8 +65,6 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
 
         calibrated = calibration.for_step(name) if calibration is not None and recipe == "int8-trt" else None
         sidecar["recipe"] = quantize(recipe, fp32, graph, calibrated)
-        with torch.inference_mode():
-            expected = [_numpy(t) for t in step(*inputs.values())]
         engine = OnnxRuntimeEngine(graph)
         outputs = {n: torch.from_numpy(np.empty_like(a)) for n, a in zip(spec.outputs, expected)}
         engine.run({n: t.contiguous() for n, t in inputs.items()}, outputs)
@@ -72,11 +72,9 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
                                                         spec.outputs)
     sidecar["onnx"] = graph.name
     (folder / f"{name}.json").write_text(json.dumps(sidecar, indent=2) + "\n")
-    with torch.inference_mode():
-        expected = dict(zip(spec.outputs, (_numpy(t) for t in step(*inputs.values()))))
     save_json([{n: _numpy(t) for n, t in inputs.items()}], str(folder / "inputs.json"))
     results = RunResults()
-    results.append(("torch", [IterationResult(expected, runner_name="torch")]))
+    results.append(("torch", [IterationResult(dict(zip(spec.outputs, expected)), runner_name="torch")]))
     results.save(str(folder / "outputs.json"))
     if backend == "tensorrt":
         from vla_node.backends.tensorrt_engine import build_engine

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from vla_node.backends.engine import buffer_signature
+from vla_node.backends.engine import buffer_signature, kept
 
 
 class CudaGraphEngine:
@@ -49,10 +49,5 @@ class CudaGraphEngine:
         return graph
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        signature = buffer_signature(inputs, outputs)
-        graph = self.graphs.get(signature)
-        if graph is None:
-            if len(self.graphs) >= self.max_graphs:
-                self.graphs.pop(next(iter(self.graphs)))  # the oldest
-            graph = self.graphs[signature] = self._capture(inputs, outputs)
-        graph.replay()
+        kept(self.graphs, buffer_signature(inputs, outputs), self.max_graphs,
+             lambda: self._capture(inputs, outputs)).replay()

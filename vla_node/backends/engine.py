@@ -12,12 +12,13 @@ and calls `run` per tick or frame (openpilot modeld's ModelState.run: named inpu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
+T = TypeVar("T")
 # torch dtype -> numpy dtype of an IOBinding element
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
           torch.int8: np.int8, torch.bool: np.bool_}
@@ -35,6 +36,17 @@ def buffer_signature(inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, t
     """(name, pointer, shape, dtype) of every bound tensor: a binding holds while this stays the same."""
     return tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in [*sorted(inputs.items()),
                                                                           *sorted(outputs.items())])
+
+
+def kept(cache: dict, key: tuple, limit: int, make: Callable[[], T]) -> T:
+    """cache[key], made by make() the first time it is asked for; beyond `limit` entries the oldest is dropped (what
+    the engines keep per set of buffers: a binding, a CUDA graph)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        value = cache[key] = make()
+    return value
 
 
 def _check_names(what: str, given: Mapping[str, torch.Tensor], expected: Sequence[str]) -> None:
@@ -94,14 +106,9 @@ class OnnxRuntimeEngine:
         return binding
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-        signature = buffer_signature(inputs, outputs)
-        bound = self.bindings.get(signature)
-        if bound is None:
-            if len(self.bindings) >= self.max_bindings:
-                self.bindings.pop(next(iter(self.bindings)))  # the oldest
-            on_gpu = any(t.is_cuda for t in (*inputs.values(), *outputs.values()))
-            bound = self.bindings[signature] = (self.bind(inputs, outputs), on_gpu)
-        binding, on_gpu = bound
+        binding, on_gpu = kept(self.bindings, buffer_signature(inputs, outputs), self.max_bindings,
+                               lambda: (self.bind(inputs, outputs),
+                                        any(t.is_cuda for t in (*inputs.values(), *outputs.values()))))
         if on_gpu:  # ONNX Runtime's stream does not wait for torch's: the inputs must be written first
             torch.cuda.current_stream().synchronize()
         self.session.run_with_iobinding(binding)

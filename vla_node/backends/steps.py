@@ -7,10 +7,10 @@ MatMul -> Add -> Softmax -> MatMul with each KV head's query heads stacked, whic
 plain ops (TensorRT 10.3 takes them at opset <= 20).
 
 `DecoderBlockStep` is the shared piece: a block of rows through every decoder layer, attending to a prefix of
-cached K/V plus the block's own. `TextStep` is the instruction at the text partition's capacity. `FrameStep` is a full vision refresh (tower, projector, the frame's K/V over the
-text). `TickStep` is the parallel action tick in its fused form (new state | the other
-stored states, recomputed | the H*D action queries) over the tick's prefix buffer (text and vision, read once per
-commit): one static shape for every tick.
+cached K/V plus the block's own. `TextStep` is the instruction at the text partition's capacity. `FrameStep` is a
+full vision refresh (tower, projector, the frame's K/V over the text). `TickStep` is the parallel action tick in its
+fused form (new state | the other stored states, recomputed | the H*D action queries) over the tick's prefix buffer
+(text and vision, read once per commit): one static shape for every tick.
 """
 
 from __future__ import annotations

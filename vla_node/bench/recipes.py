@@ -35,7 +35,9 @@ from vla_node.runtime.reuse import ReuseGate
 RECIPES = ("fp32", "int8-ort", "int8-trt")
 
 
-def _chunks(policy: EnginePolicy, frames: list[np.ndarray], reuse) -> tuple[list, float]:
+def gated_chunks(policy: EnginePolicy, frames: list[np.ndarray], reuse) -> tuple[list, float]:
+    """The policy over `frames` (uint8 [S, S, 3], one camera) as the node drives it: the reuse gate plans each frame,
+    the frame's tick runs in its pass, a separate tick follows. Returns (every chunk, ms per frame)."""
     c = policy.config
     gate = ReuseGate(reuse, c.image_size, c.patch_size)
     state = ego_state(c)
@@ -93,7 +95,7 @@ def run(drives: list[str], preset: str | None = None, max_frames: int = 30, cali
                 model, specs, "onnxruntime", recipe, store, calibration=calibration if recipe == "int8-trt" else None)
         for drive in drives:
             frames = load_frames(drive, "native", max_frames, c.image_size)
-            runs = {name: _chunks(EnginePolicy(model, e, config.cache, section.device, config.reuse), frames,
+            runs = {name: gated_chunks(EnginePolicy(model, e, config.cache, section.device, config.reuse), frames,
                                   config.reuse) for name, e in engines.items()}
             reference, _ = runs["torch-fp32"]
             figures = {}
