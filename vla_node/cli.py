@@ -67,6 +67,12 @@ def cmd_bench(args) -> int:
         from vla_node.bench import attention
 
         attention.run(**bench_kwargs(args, None, "threads"))
+    elif args.what == "all":
+        from vla_node.bench import suite
+
+        if getattr(args, "json_path", None) is not None:
+            raise ConfigError("bench all: --json does not apply (it writes DIR/bench.json; see --out)")
+        suite.run(**bench_kwargs(args, "preset", "out_dir", "drive", "launch", "frames", "threads", "quick"))
     else:
         from vla_node.bench import reuse
 
@@ -303,10 +309,18 @@ def add_drive_commands(sub) -> None:
 
 
 def add_bench_commands(sub) -> None:
-    """bench model | cache | node | engines | recipes | attention | reuse."""
+    """bench all | model | cache | node | engines | recipes | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     add_bench_shared(p)
     bench = p.add_subparsers(dest="what", required=True)
+    q = bench_parser(bench, "all", "every benchmark in one run: DIR/bench.json, bench.md, bench.html")
+    q.add_argument("--out", dest="out_dir", help="report directory (default out/bench)")
+    q.add_argument("--drive", help="the clip (default: the shared freeway clip where found, else a synthetic drive)")
+    q.add_argument("--launch", help="launch file of the node run and the model (default launch/cpu.toml)")
+    q.add_argument("--frames", type=int, help="clip frames at 10 fps for the per-frame figures (default 30)")
+    add_threads(q)
+    q.add_argument("--quick", action="store_true", default=None,
+                   help="a smoke run: 8 frames, fewer rounds, without the cache/engines/reuse benchmarks")
     q = bench_parser(bench, "model", "our cached policy against the reference and transformers' generate")
     q.add_argument("--iters", type=int, help="timed rounds (default 5)")
     add_threads(q)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from vla_node.drives.open import DriveWriter
-from vla_node.report.report import REPORT_KEYS, load_report
+from vla_node.report.report import OPTIONAL_KEYS, REPORT_KEYS, load_report
 
 
 def native_drive(path: Path, frames: list[np.ndarray], fps: float = 10.0, commands: list | None = None,
@@ -22,7 +22,7 @@ def native_drive(path: Path, frames: list[np.ndarray], fps: float = 10.0, comman
 
 
 def check_report(report: dict, json_path: Path, html_path: Path, frames_sent: int) -> None:
-    assert tuple(report) == REPORT_KEYS
+    assert tuple(report) == (*REPORT_KEYS, *OPTIONAL_KEYS)
     assert load_report(json_path) == report
     assert html_path.is_file() and html_path.stat().st_size > 1000
     assert report["frames_sent"] == frames_sent

@@ -3,6 +3,7 @@ the terminal summary, and the regression gate of compare_reports / load_report."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from html.parser import HTMLParser
@@ -13,6 +14,7 @@ import pytest
 
 from vla_node.report import html as report_html
 from vla_node.report.report import (
+    OPTIONAL_KEYS,
     REPORT_KEYS,
     ActionRecord,
     FrameRecord,
@@ -55,13 +57,14 @@ def ticks(n: int, period_ms: float = 20.0, **kwargs) -> list[ActionRecord]:
 
 def test_report_has_exactly_the_documented_keys():
     report = build_report([frame(0, 10.0)], ticks(3), meta())
-    assert list(report) == list(REPORT_KEYS)
+    assert list(report) == [*REPORT_KEYS, *OPTIONAL_KEYS]
     assert set(report) == {
         "drive", "model", "backend", "recipe", "frames_sent", "frames_processed", "frames_dropped", "actions",
         "control_hz",
         "deadline_ms", "latency_ms", "control_jitter_ms", "deadline_misses", "status_counts", "degrade_levels",
-        "vision_reuse_ratio", "kv_bytes",
+        "vision_reuse_ratio", "kv_bytes", "startup_s",
     }
+    assert report["startup_s"] is None  # meta() names no node start
     assert set(report["latency_ms"]) == {"p50", "p90", "p99", "max"}
     assert set(report["control_jitter_ms"]) == {"p50", "p99", "max"}
     assert set(report["status_counts"]) == {"fresh", "chunk", "fallback"}
@@ -358,6 +361,24 @@ def test_compare_catches_more_deadline_misses():
 def test_compare_rejects_a_bad_bound():
     with pytest.raises(ValueError, match="max_regression_pct"):
         compare_reports(base_report(), base_report(), -1)
+
+
+def test_startup_is_reported_loaded_and_compared_and_older_reports_without_it_still_load(tmp_path):
+    frames, actions = realistic_run()
+    report = build_report(frames, actions, dataclasses.replace(meta(), startup_s=3.21234))
+    assert report["startup_s"] == 3.212
+    json_path, _ = write_report(report, frames, actions, tmp_path)
+    assert load_report(json_path) == report
+    assert "startup s" in format_summary(report) and "3.21" in format_summary(report)
+    older = {k: v for k, v in report.items() if k != "startup_s"}  # a report written before startup_s
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    text, _ = compare_reports(load_report(tmp_path / "older.json"), report, 5.0)
+    assert any(line.startswith("startup s") and "n/a" in line for line in text.splitlines())
+    with pytest.raises(ValueError, match="startup_s"):
+        dataclasses.replace(meta(), startup_s=-1.0)
+    (tmp_path / "bad.json").write_text(json.dumps({**report, "startup_s": "soon"}))
+    with pytest.raises(ReportError, match="startup_s"):
+        load_report(tmp_path / "bad.json")
 
 
 def test_load_report_round_trips_what_write_report_wrote(tmp_path):

@@ -33,28 +33,39 @@ def hf_generate_ms(model, policy: ReferencePolicy, frame: np.ndarray, iters: int
 
 def hf_generate_step(model, policy: ReferencePolicy, frame: np.ndarray, instruction: str = INSTRUCTION,
                      fp16_weights: bool = False, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
-    """One frame through transformers' LlamaForCausalLM.generate on our decoder checkpoint: the same prefix
-    embeddings (text, vision, state), then H*D new tokens, greedy, its default dynamic cache. `model` is fp32; with
-    fp16_weights both transformers' decoder and the model computing the prefix get fp16 weights (the same
-    swap as ours), with dtype bf16 both compute in bf16, so that the comparison is at one precision."""
+    """hf_peer (below) on one fixed frame."""
+    peer = hf_peer(model, policy, instruction, fp16_weights, dtype)
+    return lambda: peer(frame)
+
+
+def hf_peer(model, policy: ReferencePolicy, instruction: str = INSTRUCTION, fp16_weights: bool = False,
+            dtype: torch.dtype = torch.float32) -> Callable[[np.ndarray], None]:
+    """One frame through transformers on our checkpoint: SiglipVisionModel on the frame's pixels, our projector
+    (and camera embedding), then LlamaForCausalLM.generate of H*D new tokens after the prefix embeddings (text,
+    vision, state), greedy, its default dynamic cache. `model` is fp32; with fp16_weights transformers' models and
+    the model computing the rest of the prefix get fp16 linear weights (the same swap as ours), with dtype bf16 all
+    compute in bf16, so that the comparison is at one precision. Returns run(frame uint8 [H, W, 3])."""
     import transformers
 
     c = model.config
     with tempfile.TemporaryDirectory() as tmp:
         path = save_checkpoint(model, tmp)
         hf = transformers.LlamaForCausalLM.from_pretrained(str(path / "decoder"), dtype=dtype).eval()
+        siglip = transformers.SiglipVisionModel.from_pretrained(str(path / "vision"), dtype=dtype).eval()
     if fp16_weights:
-        model, hf = use_fp16_weights(copy.deepcopy(model)), use_fp16_weights(hf)
+        model, hf, siglip = (use_fp16_weights(copy.deepcopy(model)), use_fp16_weights(hf),
+                             use_fp16_weights(siglip))
     elif dtype != torch.float32:
         model = copy.deepcopy(model).to(dtype)
     from vla_node.model.tokenizer import encode
 
     ids = torch.tensor(encode(instruction, c.max_text_tokens))
 
-    def run():
+    def run(frame: np.ndarray) -> None:
         with torch.inference_mode():
-            pixels = policy.prepare_frames([frame]).to(dtype)
-            prefix = torch.cat([model.embed_text(ids), model.encode_frame(pixels),
+            pixels = policy.prepare_frames([frame]).to(dtype)  # [C, 3, S, S]
+            vision = siglip(pixel_values=pixels).last_hidden_state  # [C, T, vision_width]
+            prefix = torch.cat([model.embed_text(ids), model.project_vision(vision),  # [C*T, hidden]
                                 model.embed_state(torch.zeros(c.state_dim, dtype=dtype))])
             hf.generate(inputs_embeds=prefix[None], max_new_tokens=c.action_tokens, min_new_tokens=c.action_tokens,
                         do_sample=False, pad_token_id=258)

@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
@@ -245,13 +245,15 @@ def replay(
     progress: bool = True,
     addresses: Mapping[str, str] | None = None,
     warmup_timeout_s: float = WARMUP_TIMEOUT_S,
+    on_records: Callable[[list[FrameRecord], list[ActionRecord]], None] | None = None,
 ) -> tuple[dict, Path, Path]:
     """Replay `drive` through a node (started here from `launch`, default launch/cpu.toml; or the running one
     at the launch file's addresses with connect=True; `addresses` overrides any of frames/commands/actions/
     health) and write out_dir/report.json and report.html. Returns (report, json_path, html_path).
 
     rate: recorded timing x rate (2.0 = twice as fast); as_fast_as_possible: closed loop, one frame in flight;
-    loop: play the drive this many times; topic: one camera of the drive (topic or camera name).
+    loop: play the drive this many times; topic: one camera of the drive (topic or camera name); on_records:
+    called with the report's frame and action records (for a caller's own figures).
     Raises DriveError (drive), ConfigError (arguments, launch file), NodeProcessError (node). A Ctrl-C while
     streaming stops the replay early, writes the report of what was sent, and is re-raised."""
     _check_pacing(rate, loop, warmup_timeout_s)
@@ -277,7 +279,7 @@ def replay(
     result, receiver, node = _replay_through_node(
         reader, commands, cameras, config, launch_path, transport, out, connect=connect, rate=rate,
         as_fast_as_possible=as_fast_as_possible, loop=loop, progress=progress, warmup_timeout_s=warmup_timeout_s)
-    report, json_path, html_path = _write_replay_report(reader, config, result, receiver, node, out)
+    report, json_path, html_path = _write_replay_report(reader, config, result, receiver, node, out, on_records)
     if result.interrupted:
         raise KeyboardInterrupt
     return report, json_path, html_path
@@ -336,20 +338,26 @@ def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], came
 
 
 def _write_replay_report(reader: DriveReader, config: NodeConfig, result: StreamResult, receiver: Receiver,
-                         node: NodeProcess | None, out: Path) -> tuple[dict, Path, Path]:
+                         node: NodeProcess | None, out: Path,
+                         on_records: Callable[[list[FrameRecord], list[ActionRecord]], None] | None = None,
+                         ) -> tuple[dict, Path, Path]:
     """The report of the actions that answer the frames sent (from the first on): written to out/report.json and
     report.html, its summary and notes printed. Returns (report, json_path, html_path)."""
     first_ns = result.frames[0].stamp_ns if result.frames else time.monotonic_ns()
     actions = [a for a in receiver.actions if a.stamp_ns >= first_ns]
     frames = records(result.frames, actions)
     health = receiver.health or {}
+    answered = [f.first_action_ns for f in frames if f.first_action_ns is not None]
+    startup_s = (answered[0] - node.launched_ns) / 1e9 if node is not None and answered else None
     meta = RunMeta(drive=str(reader.path),
                    model=str(health.get("model", config.model.checkpoint or config.model.preset)),
                    backend=_backend(health, config), control_hz=config.scheduler.control_hz,
                    deadline_ms=config.scheduler.vision_deadline_ms, health=health,
-                   recipe=str(health.get("recipe", "unknown")))
+                   recipe=str(health.get("recipe", "unknown")), startup_s=startup_s)
     report = build_report(frames, actions, meta)
     json_path, html_path = write_report(report, frames, actions, out)
+    if on_records is not None:
+        on_records(frames, actions)
     late = sum(1 for f in frames if f.processed and f.first_action_ns is None)
     print(format_summary(report))
     notes = [f"processed too late to be fresh: {late}"]

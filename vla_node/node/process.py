@@ -8,6 +8,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import zmq
@@ -47,6 +48,7 @@ class NodeProcess:
         for key in ADDRESS_KEYS:
             command += [f"--{key}", getattr(transport, key)]
         self._log = open(log_path, "wb")
+        self.launched_ns = time.monotonic_ns()  # the startup figure's origin (replay: launch -> first fresh action)
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, start_new_session=True)

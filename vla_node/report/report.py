@@ -38,6 +38,8 @@ STRING_KEYS = ("drive", "model", "backend", "recipe")
 COUNT_KEYS = ("frames_sent", "frames_processed", "frames_dropped", "actions", "deadline_misses")
 NUMBER_KEYS = ("control_hz", "deadline_ms")
 NULLABLE_NUMBER_KEYS = ("vision_reuse_ratio",)
+# keys a report may lack (written by later versions: an older report still loads and compares)
+OPTIONAL_KEYS = ("startup_s",)
 
 
 class ReportError(ValueError):
@@ -119,6 +121,7 @@ class RunMeta:
     deadline_ms: float
     health: Mapping[str, Any]
     recipe: str = "unknown"  # the backend's recipe (engines: fp32, int8-ort ...; torch: its linear weights)
+    startup_s: float | None = None  # node launch -> its first fresh action (None: the node was already running)
 
     def __post_init__(self) -> None:
         for key in STRING_KEYS:
@@ -129,6 +132,8 @@ class RunMeta:
             _check(is_number(value) and value > 0, f"RunMeta.{key}", value,
                    "a finite number > 0")
         _check(isinstance(self.health, Mapping), "RunMeta.health", self.health, "a map (the last health message)")
+        _check(self.startup_s is None or (is_number(self.startup_s) and self.startup_s > 0), "RunMeta.startup_s",
+               self.startup_s, "None or a finite number of seconds > 0")
 
 
 def _percentiles(values_ms: np.ndarray, names: Sequence[str]) -> dict[str, float | None]:
@@ -203,8 +208,8 @@ def _kv_bytes(actions: Sequence[ActionRecord], health: Mapping[str, Any]) -> dic
 
 
 def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord], meta: RunMeta) -> dict:
-    """The report.json dict (exactly REPORT_KEYS). Latency: capture stamp -> receive of the first fresh action
-    naming the frame, over processed frames. deadline_misses: those latencies above deadline_ms plus control
+    """The report.json dict (exactly REPORT_KEYS, then OPTIONAL_KEYS). Latency: capture stamp -> receive of the
+    first fresh action naming the frame, over processed frames. deadline_misses: those latencies above deadline_ms plus control
     ticks missed (gaps in action seq). Empty inputs give None (null), never NaN."""
     stamps, latency_ns = frame_latencies_ns(frames)
     deviation_ns, ticks_missed = control_spacing(actions, meta.control_hz)
@@ -235,6 +240,7 @@ def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord],
         "degrade_levels": level_counts,
         "vision_reuse_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
         "kv_bytes": _kv_bytes(actions, meta.health),
+        "startup_s": None if meta.startup_s is None else round(float(meta.startup_s), 3),
     }
 
 
@@ -314,6 +320,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
         ("degrade levels", ", ".join(f"{k}: {v}" for k, v in report["degrade_levels"].items()) or "-"),
         ("vision reuse ratio", _fmt(report["vision_reuse_ratio"], 3)),
         ("kv bytes", ", ".join(f"{k} {human_bytes(kv[k])}" for k in KV_PARTITIONS)),
+        ("startup s", _fmt(report.get("startup_s"), 2) + "  (launch -> first fresh action)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -331,13 +338,14 @@ COMPARED = (
     *((f"status {k}", ("status_counts", k)) for k in STATUSES),
     ("vision reuse ratio", ("vision_reuse_ratio",)),
     *((f"kv bytes {k}", ("kv_bytes", k)) for k in KV_PARTITIONS),
+    ("startup s", ("startup_s",)),
 )
 
 
 def _get(report: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     value: Any = report
     for key in path:
-        value = value[key]
+        value = value.get(key) if key in OPTIONAL_KEYS else value[key]
     return value
 
 
@@ -388,12 +396,13 @@ def compare_reports(a: Mapping[str, Any], b: Mapping[str, Any], max_regression_p
     return "\n".join(lines), bool(reasons)
 
 
-def _validate_keys(path: str, table: Mapping[str, Any], expected: Sequence[str], prefix: str) -> None:
+def _validate_keys(path: str, table: Mapping[str, Any], expected: Sequence[str], prefix: str,
+                   optional: Sequence[str] = ()) -> None:
     for key in expected:
         if key not in table:
             raise ReportError(f"{path}: missing key {prefix + key!r}")
     for key in table:
-        if key not in expected:
+        if key not in expected and key not in optional:
             raise ReportError(f"{path}: unexpected key {prefix + str(key)!r}{did_you_mean(str(key), expected)}")
 
 
@@ -419,7 +428,7 @@ def load_report(path: str | os.PathLike) -> dict:
         raise ReportError(f"{name}: not valid JSON: {e}") from None
     if not isinstance(report, dict):
         raise ReportError(f"{name}: expected a JSON object at the top level, got {type(report).__name__}")
-    _validate_keys(name, report, REPORT_KEYS, "")
+    _validate_keys(name, report, REPORT_KEYS, "", OPTIONAL_KEYS)
     for key, inner in NESTED_KEYS.items():
         table = report[key]
         _validate_value(name, key, table, isinstance(table, dict), "an object")
@@ -437,7 +446,7 @@ def load_report(path: str | os.PathLike) -> dict:
         _validate_value(name, key, value, is_int(value) and value >= 0, "an integer >= 0")
     for key in NUMBER_KEYS:
         _validate_value(name, key, report[key], is_number(report[key], finite=False), "a number")
-    for key in NULLABLE_NUMBER_KEYS:
+    for key in (*NULLABLE_NUMBER_KEYS, *(k for k in OPTIONAL_KEYS if k in report)):
         value = report[key]
         _validate_value(name, key, value, value is None or is_number(value, finite=False), "a number or null")
     levels = report["degrade_levels"]

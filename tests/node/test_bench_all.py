@@ -1,0 +1,74 @@
+"""`vla-node bench all`: one quick run on the tiny model (no real clip: the synthetic drive, as on a fresh machine)
+writes bench.json, bench.md and bench.html with every section, target and plot, the node replayed through real
+sockets."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from helpers.node_helpers import TINY_LAUNCH
+from vla_node.bench import suite
+from vla_node.bench.suite_report import histogram_rows
+
+pytest.importorskip("transformers", reason="transformers (the dev extra) is the peer")
+pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the int8 contender")
+
+
+class _Svgs(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.svgs = 0
+
+    def handle_starttag(self, tag, attrs) -> None:
+        self.svgs += tag == "svg"
+
+
+def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(suite, "default_clip", lambda: None)  # as on a machine without the shared clips
+    result = suite.run(tmp_path / "bench", launch=str(TINY_LAUNCH), quick=True)
+    written = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert result["clip"].startswith("synthetic drive")
+    h = result["header"]
+    assert h["cpu"] and h["threads"] == 1 and h["versions"]["torch"] and "oneDNN" in h["kernels"]
+    m = result["model"]
+    assert set(m["ms"]) == {"ours", "int8", "reference", "peer"} and all(v > 0 for v in m["ms"].values())
+    assert m["speedup_vs_hf"] == round(m["ms"]["peer"] / m["ms"]["ours"], 2)
+    for a in m["accuracy_vs_fp32_reference"].values():
+        assert 0 <= a["bins_agreement"] <= 1 and 0 <= a["logit_rel_err_mean"] <= a["logit_rel_err_max"]
+    assert m["floor"]["stage"] == "reuse_frame" and m["floor"]["floor_ms"] > 0
+    floors = result["stages"]["floor"]
+    assert {k.rsplit(": ", 1)[1] for k in floors} == {"tick", "frame"}
+    for key, f in floors.items():
+        assert f["ratio_to_floor"] == round(result["stages"]["ms"][key] / f["floor_ms"], 2)
+    assert set(result["targets"]) == set(suite.TARGETS)
+    for t in result["targets"].values():
+        assert isinstance(t["met"], bool) and t["value"] is not None
+    node = result["node"]["report"]
+    assert node["frames_sent"] >= 30 and node["frames_processed"] > 0 and 0 < node["startup_s"] < 300
+    assert result["targets"]["startup_s"]["value"] == node["startup_s"]
+    md = (tmp_path / "bench" / "bench.md").read_text()
+    for section in ("## Machine", "## Targets", "## Per frame on the clip", "## Stages against their floor",
+                    "## Node:", "How it is counted"):
+        assert section in md
+    assert all(name in md for name in suite.TARGETS)
+    page = _Svgs()
+    page.feed((tmp_path / "bench" / "bench.html").read_text())
+    assert page.svgs == 4  # stages by backend, per frame, ratio to floor, the node run's latency distribution
+    assert "bench all: wrote" in capsys.readouterr().out
+
+
+def test_histogram_rows_count_every_latency():
+    rows = histogram_rows([10.0, 11.0, 50.0, 90.0], bins=4)
+    assert [n for _, n in rows] == [2.0, 0.0, 1.0, 1.0] and rows[0][0] == "10-30 ms"
+    assert histogram_rows([]) == []
+
+
+def test_bench_all_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="frames"):
+        suite.run(tmp_path, frames=1)
+    with pytest.raises(ValueError, match="drive"):
+        suite.run(tmp_path, drive=str(tmp_path / "missing.mp4"))

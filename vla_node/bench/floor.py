@@ -1,0 +1,240 @@
+"""The machine floor of a stage: the least time its arithmetic or its memory traffic can take on this machine.
+
+FLOPs are those the node's eager path executes (MultiRatePolicy, default CacheConfig and ReuseConfig; checked against
+the products it dispatches in tests/unit/test_bench_floor.py). A linear layer is a GEMM [M, K] x [K, N] of 2*M*K*N
+FLOPs, the patch embedding too ([patches, 3*P*P] x [3*P*P, width]); an attention is two matmuls, Q K^T and P V, of
+2 * rows * keys * head_dim * heads FLOPs each, over every key the kernel spans (masked slots too). Norms, RoPE,
+activations, biases and residual adds are not counted. The text partition is full, and so is the state ring.
+
+    tick         the fused action tick: state_slots + H*D rows (new state | the other stored states, recomputed |
+                 the action queries) through every decoder layer over the tick's prefix buffer (text | vision |
+                 state ring | the block), the state embedding, the action head (lm_head) on the H*D query rows
+    frame        a full refresh with its tick in the same decoder pass: the patch embedding and every tower layer on
+                 every token of each camera, the projector, the decoder on the frame's rows (over text | frame; the
+                 last layer only their K/V) plus the tick's rows as in `tick`
+    reuse_frame  as frame with `refreshed` tokens recomputed: the patch embedding on those; in the tower and the
+                 decoder min(T, refreshed + shared-drift sample) rows run Q (tower: Q/K/V), attention over every
+                 token, the output projection and the MLP (reused tokens skip attention: shared drift); the projector
+                 runs on every token, and the decoder re-projects every token's K and V (T rows, every layer) from
+                 its residual stream, as FrameTokenCache does
+
+Bytes: each weight matrix used, read once (K*N elements, even when applied per camera or to two row sets), and the
+decoder's K/V once per layer for every key slot of the prefix buffer; activations are assumed to stay in cache.
+The floor is a roofline: the larger of FLOPs (attention included) / the matrix rate measured on the stage's own GEMM
+shapes and dtype, and bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from vla_node.model.config import ModelConfig
+from vla_node.runtime.reuse import ReuseConfig
+
+STAGES = ("tick", "frame", "reuse_frame")
+MIN_LOOP_S = 0.002  # a timed loop runs at least this long
+MIN_BANDWIDTH_BYTES = 8 << 20
+
+
+Gemm = NamedTuple("Gemm", [("m", int), ("k", int), ("n", int), ("count", int)])  # `count` products [m, k] x [k, n]
+
+
+@dataclass(frozen=True)
+class StageWork:
+    stage: str
+    model: str
+    refreshed: int | None
+    gemms: tuple[Gemm, ...]  # distinct shapes, in the order first computed
+    attention_flops: int
+    weight_elements: int  # every weight matrix used, once
+    kv_elements: int  # decoder K and V read, every key slot once per layer
+    counted: str  # the rows counted, in words
+
+    @property
+    def gemm_flops(self) -> int:
+        return sum(2 * g.m * g.k * g.n * g.count for g in self.gemms)
+
+    @property
+    def flops(self) -> int:
+        return self.gemm_flops + self.attention_flops
+
+    def weight_bytes(self, bytes_per_element: float) -> float:
+        return self.weight_elements * bytes_per_element
+
+    def kv_bytes(self, bytes_per_element: float) -> float:
+        return self.kv_elements * bytes_per_element
+
+    def describe(self) -> str:
+        products = sum(g.count for g in self.gemms)
+        return (f"{self.stage} of {self.model}: {products} GEMMs in {len(self.gemms)} shapes, "
+                f"{self.gemm_flops / 1e9:.4g} GFLOP + attention {self.attention_flops / 1e9:.4g} GFLOP; "
+                f"{self.weight_elements / 1e6:.4g} M weight and {self.kv_elements / 1e6:.4g} M K/V elements read once; "
+                f"{self.counted}")
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.gemms: Counter = Counter()
+        self.weights: dict[str, int] = {}
+        self.attention_flops = 0
+
+    def linears(self, prefix: str, *products: tuple[str, int, int, int]) -> None:
+        """(weight name, M, K, N) products; a weight used twice (per camera, per row set) is counted once."""
+        for name, m, k, n in products:
+            if m > 0:
+                self.gemms[(m, k, n)] += 1
+                self.weights[prefix + name] = k * n
+
+    def attention(self, rows: int, keys: int, head_dim: int, heads: int) -> None:
+        self.attention_flops += 2 * (2 * rows * keys * head_dim * heads)  # Q K^T and P V
+
+
+def _key_slots(c: ModelConfig) -> int:
+    """The tick's prefix buffer: text capacity | vision memory | state ring | the block (state_slots + H*D rows)."""
+    return c.max_text_tokens + c.vision_frames * c.tokens_per_frame + 2 * c.state_slots + c.action_tokens
+
+
+def _tower(t: _Tally, c: ModelConfig, rows: int, embedded: int) -> None:
+    """One camera: `embedded` patches embedded, `rows` tokens recomputed in every layer, attending to all T."""
+    w, hd, mlp = c.vision_width, c.vision_width // c.vision_heads, c.vision_mlp
+    t.linears("vision.", ("patch_embedding", embedded, 3 * c.patch_size ** 2, w))
+    for i in range(c.vision_layers if rows else 0):
+        t.linears(f"vision.{i}.", ("q_proj", rows, w, w), ("k_proj", rows, w, w), ("v_proj", rows, w, w))
+        t.attention(rows, c.tokens_per_camera, hd, c.vision_heads)
+        t.linears(f"vision.{i}.", ("out_proj", rows, w, w), ("fc1", rows, w, mlp), ("fc2", rows, mlp, w))
+
+
+def _decoder(t: _Tally, c: ModelConfig, frame_rows: int, recomputed: int, block: int) -> None:
+    """`frame_rows` vision rows whose K/V every layer projects, `recomputed` of them with Q, attention, o_proj and
+    the MLP below the last layer, and the tick's `block` rows through every layer; then the state embedding and
+    the action head."""
+    hidden, hq, kv, mlp = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    for i in range(c.num_layers):
+        rows = block + (recomputed if i < c.num_layers - 1 else 0)
+        t.linears(f"decoder.{i}.", ("q_proj", rows, hidden, hq), ("k_proj", frame_rows + block, hidden, kv),
+                  ("v_proj", frame_rows + block, hidden, kv))
+        if rows > block:
+            t.attention(recomputed, c.max_text_tokens + c.tokens_per_frame, c.head_dim, c.num_heads)  # text | frame
+        t.attention(block, _key_slots(c), c.head_dim, c.num_heads)
+        t.linears(f"decoder.{i}.", ("o_proj", rows, hq, hidden), ("gate_proj", rows, hidden, mlp),
+                  ("up_proj", rows, hidden, mlp), ("down_proj", rows, mlp, hidden))
+    t.linears("", ("state_proj", 1, c.state_dim, hidden), ("lm_head", c.action_tokens, hidden, c.vocab_size))
+
+
+def stage_work(config: ModelConfig, stage: str, refreshed: int | None = None, *,
+               shared_drift_samples: int = ReuseConfig().shared_drift_samples) -> StageWork:
+    """The GEMMs, attention FLOPs and bytes of one stage (see the module docstring); `refreshed` (reuse_frame only):
+    tokens of the frame, all cameras, that the reuse gate recomputes, 1..tokens_per_frame."""
+    c = config
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r}: expected one of {list(STAGES)}")
+    T, C, total = c.tokens_per_camera, c.num_cameras, c.tokens_per_frame
+    if stage == "reuse_frame":
+        if not (isinstance(refreshed, int) and not isinstance(refreshed, bool) and 1 <= refreshed <= total):
+            raise ValueError(f"refreshed {refreshed!r}: expected an integer in 1..{total} (tokens_per_frame)")
+    elif refreshed is not None:
+        raise ValueError(f"refreshed {refreshed!r} with stage {stage!r}: expected None (it applies to reuse_frame)")
+    if stage != "tick" and c.vision_frames != 1:
+        raise ValueError(f"vision_frames {c.vision_frames} with stage {stage!r}: expected 1 (a frame fuses its tick "
+                         "only when the vision memory holds the current frame alone)")
+    block, frame_rows, samples = c.state_slots + c.action_tokens, 0 if stage == "tick" else total, shared_drift_samples
+    per_camera = ([] if stage == "tick" else [T] * C if refreshed is None
+                  else [refreshed // C + (cam < refreshed % C) for cam in range(C)])  # refreshed tokens per camera
+    rows = [min(T, r + samples) if r else 0 for r in per_camera]  # tower rows recomputed per camera
+    recomputed = min(frame_rows, (refreshed or total) + samples)  # decoder vision rows with Q, attention, MLP
+    t = _Tally()
+    for r, n in zip(per_camera, rows):
+        _tower(t, c, n, r)
+    t.linears("projector.", ("fc1", frame_rows, c.vision_width, c.hidden_size),
+              ("fc2", frame_rows, c.hidden_size, c.hidden_size))
+    _decoder(t, c, frame_rows, recomputed, block)
+    counted = ((f"tower rows {rows} per camera of {T}; decoder: K/V of {frame_rows} vision rows, {recomputed} with "
+                f"Q/attention/MLP (shared-drift sample {samples}), " if frame_rows else "decoder: ")
+               + f"{block} tick rows over {_key_slots(c)} key slots")
+    kv_elements = 2 * c.num_layers * c.num_kv_heads * c.head_dim * _key_slots(c)
+    gemms = tuple(Gemm(m, k, n, count) for (m, k, n), count in t.gemms.items())
+    return StageWork(stage, c.name, refreshed, gemms, t.attention_flops, sum(t.weights.values()), kv_elements,
+                     counted)
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds per call of fn: a warm-up call, a timed call that sizes the loop, then the best of `repeats` loops
+    of at least MIN_LOOP_S each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def loop(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / calls
+
+    loop(1)
+    calls = max(1, math.ceil(MIN_LOOP_S / max(loop(1), 1e-9)))
+    return min(loop(calls) for _ in range(max(1, repeats)))
+
+
+def measure_matrix_rate(gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu") -> dict:
+    """Every distinct GEMM shape timed as F.linear(x [M, K], w [N, K]) at `dtype`; gflops: all the stage's GEMM FLOPs
+    over their total time (each shape's best time x its count)."""
+    device = torch.device(device)
+    per_shape, total_flops, total_s = [], 0, 0.0
+    for m, k, n, count in gemms:
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+        seconds = _best_seconds(lambda: F.linear(x, w), repeats, device)
+        flops = 2 * m * k * n
+        per_shape.append({"m": m, "k": k, "n": n, "count": count, "us": _sig(seconds * 1e6),
+                          "gflops": _sig(flops / seconds / 1e9)})
+        total_flops += flops * count
+        total_s += seconds * count
+    return {"gflops": _sig(total_flops / total_s / 1e9), "per_shape": per_shape}
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Read bandwidth, GB/s: the bytes of a float32 buffer of max(nbytes, 8 MiB) over the time of its .sum() (reads
+    only; the one-element result is not counted), best of `repeats`."""
+    device = torch.device(device)
+    buffer = torch.ones(max(int(nbytes), MIN_BANDWIDTH_BYTES) // 4, dtype=torch.float32, device=device)
+    seconds = _best_seconds(buffer.sum, repeats, device)
+    return buffer.numel() * 4 / seconds / 1e9
+
+
+def floor_ms(work: StageWork, rate_gflops: float, bandwidth_gbs: float, weight_bytes_per_element: float,
+             kv_bytes_per_element: float) -> dict:
+    """Roofline: compute_ms = FLOPs / rate, memory_ms = (weight + K/V bytes) / bandwidth; the floor is the larger."""
+    for name, value in (("rate_gflops", rate_gflops), ("bandwidth_gbs", bandwidth_gbs)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} {value!r}: expected a finite number > 0")
+    compute_ms = work.flops / rate_gflops / 1e6
+    nbytes = work.weight_bytes(weight_bytes_per_element) + work.kv_bytes(kv_bytes_per_element)
+    memory_ms = nbytes / bandwidth_gbs / 1e6
+    return {"compute_ms": compute_ms, "memory_ms": memory_ms, "floor_ms": max(compute_ms, memory_ms),
+            "bound": "compute" if compute_ms >= memory_ms else "memory"}
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def measure_floor(config: ModelConfig, stage: str, dtype: torch.dtype, weight_bytes_per_element: float,
+                  kv_bytes_per_element: float, refreshed: int | None = None, *, repeats: int = 5,
+                  device: str | torch.device = "cpu") -> dict:
+    """stage_work, the matrix rate for its shapes at `dtype`, the bandwidth over its bytes, and the floor (JSON)."""
+    work = stage_work(config, stage, refreshed)
+    weight_bytes, kv_bytes = work.weight_bytes(weight_bytes_per_element), work.kv_bytes(kv_bytes_per_element)
+    rate = measure_matrix_rate(work.gemms, dtype, repeats, device)["gflops"]
+    bandwidth = measure_bandwidth(int(weight_bytes + kv_bytes), repeats, device)
+    floor = floor_ms(work, rate, bandwidth, weight_bytes_per_element, kv_bytes_per_element)
+    figures = dict(gflop=work.flops / 1e9, attention_gflop=work.attention_flops / 1e9, weight_mb=weight_bytes / 1e6,
+                   kv_mb=kv_bytes / 1e6, matrix_gflops=rate, bandwidth_gbs=bandwidth,
+                   **{key: floor[key] for key in ("compute_ms", "memory_ms", "floor_ms")})
+    return {"stage": stage, "model": config.name, "dtype": str(dtype).removeprefix("torch."), "refreshed": refreshed,
+            **{key: _sig(value) for key, value in figures.items()}, "bound": floor["bound"], "counted": work.describe()}

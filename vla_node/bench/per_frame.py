@@ -1,0 +1,198 @@
+"""`vla-node bench all`'s model figures: per-frame work on a real clip against transformers and the reference, the
+stages against their floor, side by side in one run.
+
+Every contender runs the same frames (a clip resampled to 10 fps, each frame resized to the model's input once), the
+same instruction and ego state, the same seeded weights, frame by frame in a rotating order so that a load change on
+a shared machine hits every one alike:
+
+    ours           the node's policy (the eager MultiRatePolicy, as the launch file builds it at the compute dtype)
+                   behind the reuse gate, as the node drives it: the frame's vision update with the tick in its pass
+    int8           the engine policy on ONNX Runtime's dynamic int8 recipe (int8-ort), driven the same way
+    reference      ReferencePolicy.step: full recompute of every token, at the compute dtype
+    peer           transformers: SiglipVisionModel on the frame's pixels, our projector, then
+                   LlamaForCausalLM.generate of the H*D action tokens after the prefix (its default dynamic cache),
+                   at the compute dtype (bench model's hf_peer)
+    fp32 reference the oracle of every accuracy figure (full recompute, fp32, plain weights)
+
+Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
+path that ran (dtype and linear-weight format). speedup_vs_hf = peer ms / ours ms (medians over the frames after the
+first, which is a full refresh for every contender).
+
+The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refreshed token count: peer_over_floor is
+the most speedup_vs_hf any implementation could show on this machine at this dtype.
+
+Stages (one frame, interleaved rounds): the action tick and the full-refresh frame with its tick, per backend (the
+eager policy at the compute dtype and in fp32, ONNX Runtime fp32 and int8-ort), and each eager stage's floor
+(bench/floor.py) at its dtype: ratio_to_floor = stage ms / floor ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vla_node.backends.loading import load_model
+from vla_node.bench.floor import measure_floor
+from vla_node.bench.model import hf_peer
+from vla_node.bench.reuse import ego_state, gate_tokens, logit_rel_err
+from vla_node.config import NodeConfig
+from vla_node.kv.dtypes import torch_dtype as dtype_named
+from vla_node.model.action_head import ActionChunk
+from vla_node.node.policies import build_policies, engine_set
+from vla_node.progress import Progress
+from vla_node.runtime.engine_policy import EnginePolicy
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.reference import ReferencePolicy
+from vla_node.runtime.reuse import ReuseGate
+
+BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2}  # None: the compute dtype's
+
+
+@dataclasses.dataclass
+class Gated:
+    """A policy behind one reuse gate (one camera), driven as the node drives it."""
+
+    policy: MultiRatePolicy
+    gate: ReuseGate
+    ms: list[float] = dataclasses.field(default_factory=list)
+    reuse: list[float] = dataclasses.field(default_factory=list)
+    chunks: list[ActionChunk] = dataclasses.field(default_factory=list)
+
+    def frame(self, image: np.ndarray, state: np.ndarray) -> None:
+        """One timed frame (uint8 [S, S, 3]): plan, vision update with the tick in its pass, commit."""
+        t0 = time.perf_counter_ns()
+        plan = self.gate.plan(image)
+        tokens, scene_cut = gate_tokens([plan], self.policy.config.tokens_per_camera)
+        update = self.policy.update_vision(image[None], tokens, scene_cut, None, state)  # [1, S, S, 3]
+        self.gate.commit(plan, image)
+        chunk = update.chunk if update.chunk is not None else self.policy.action_tick(state)
+        self.ms.append((time.perf_counter_ns() - t0) / 1e6)
+        self.reuse.append(update.reuse_ratio)
+        self.chunks.append(chunk)
+
+
+def compute_config(config: NodeConfig, dtype: str) -> NodeConfig:
+    """The launch file's node on the eager backend at `dtype`, its weights as the launch file resolves them."""
+    return config.replace(model=dataclasses.replace(config.model, dtype=dtype, backend="torch", fallback=()))
+
+
+def _weight_bytes(config: NodeConfig) -> int:
+    """Bytes per linear-weight element of the launch file's path (plain: its compute dtype's)."""
+    s = config.model
+    return WEIGHT_BYTES[s.weight_format] or BYTES[dtype_named(s.resolved_dtype)]
+
+
+def path_name(config: NodeConfig) -> str:
+    """The path that ran: compute dtype and linear-weight format."""
+    s = config.model
+    return f"{s.resolved_dtype} compute, {s.weight_format} weights"
+
+
+def accuracy(chunks: list[ActionChunk], oracle: list[ActionChunk]) -> dict:
+    """Logit relative L2 error (mean, max) and action-bin agreement against the fp32 reference's chunks."""
+    errors = [logit_rel_err(a.logits, b.logits) for a, b in zip(chunks, oracle)]
+    return {"logit_rel_err_mean": float(f"{np.mean(errors):.3g}"), "logit_rel_err_max": float(f"{np.max(errors):.3g}"),
+            "bins_agreement": round(float(np.mean([(a.bins == b.bins).mean() for a, b in zip(chunks, oracle)])), 4)}
+
+
+def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str, dtype: str,
+                 progress: bool = True) -> dict:
+    """Per-frame work on `frames` (uint8 [S, S, 3], the clip at 10 fps): ours, int8, reference and peer side by
+    side (module docstring), with accuracy against the fp32 reference on the same frames."""
+    ours_config = compute_config(config, dtype)
+    torch_dtype = dtype_named(ours_config.model.resolved_dtype)
+    policy, _, _ = build_policies(ours_config)
+    c = policy.config
+    plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
+    int8 = EnginePolicy(plain, engine_set(config, plain, "onnxruntime", "int8-ort", build=True), config.cache,
+                        "cpu", config.reuse)
+    gated = {"ours": Gated(policy, ReuseGate(config.reuse, c.image_size, c.patch_size)),
+             "int8": Gated(int8, ReuseGate(config.reuse, c.image_size, c.patch_size))}
+    for g in gated.values():
+        g.policy.update_text(instruction)
+    reference = ReferencePolicy(load_model(c, "plain", config.model.checkpoint, config.model.seed), torch_dtype)
+    oracle = ReferencePolicy(plain)
+    peer = hf_peer(plain, oracle, instruction, dtype=torch_dtype)
+    state = ego_state(c)
+    timed: dict[str, list[float]] = {"reference": [], "peer": []}
+    oracle_chunks: list[ActionChunk] = []
+
+    steps: dict[str, Callable[[np.ndarray], object]] = {
+        "ours": lambda image: gated["ours"].frame(image, state),
+        "int8": lambda image: gated["int8"].frame(image, state),
+        "reference": lambda image: reference.step([image], instruction, state),
+        "peer": peer}
+    order = list(steps)
+    with Progress(len(frames), "bench all: per frame on the clip", enabled=progress) as bar:
+        for index, image in enumerate(frames):
+            oracle_chunks.append(oracle.step([image], instruction, state))
+            for name in order[index % len(order):] + order[:index % len(order)]:
+                t0 = time.perf_counter_ns()
+                steps[name](image)
+                if name in timed:
+                    timed[name].append((time.perf_counter_ns() - t0) / 1e6)
+            bar.update()
+    reuse_mean = float(np.mean(gated["ours"].reuse[1:]))
+    refreshed = max(1, round((1 - reuse_mean) * c.tokens_per_frame))
+    floor = measure_floor(c, "reuse_frame", torch_dtype, _weight_bytes(ours_config), BYTES[torch_dtype], refreshed)
+    ms = {name: statistics.median(g.ms[1:]) for name, g in gated.items()}
+    ms.update({name: statistics.median(values[1:]) for name, values in timed.items()})
+    return {"frames": len(frames), "path": path_name(ours_config), "compute_dtype": ours_config.model.resolved_dtype,
+            "ms": {k: round(v, 2) for k, v in ms.items()},
+            "reuse_ratio_mean": round(reuse_mean, 3),
+            "floor": {**floor, "ratio_to_floor": round(ms["ours"] / floor["floor_ms"], 2),
+                      "peer_over_floor": round(ms["peer"] / floor["floor_ms"], 2)},
+            "speedup_vs_hf": round(ms["peer"] / ms["ours"], 2),
+            "speedup_vs_reference": round(ms["reference"] / ms["ours"], 2),
+            "int8_speedup_vs_hf": round(ms["peer"] / ms["int8"], 2),
+            "accuracy_vs_fp32_reference": {"ours": accuracy(gated["ours"].chunks, oracle_chunks),
+                                           "int8": accuracy(gated["int8"].chunks, oracle_chunks)}}
+
+
+def _stage_cases(policy: MultiRatePolicy, image: np.ndarray, state: np.ndarray, instruction: str) -> dict:
+    policy.update_text(instruction)
+    policy.update_vision(image[None], None, False, None, state)  # [1, S, S, 3]
+    return {"tick": lambda: policy.action_tick(state),
+            "frame": lambda: policy.update_vision(image[None], None, False, None, state)}
+
+
+def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype: str, rounds: int = 8) -> dict:
+    """The tick and the full-refresh frame (with its tick) per backend, interleaved round by round, and each eager
+    stage against its floor at its own dtype."""
+    eager = {dtype: compute_config(config, dtype)}
+    if eager[dtype].model.resolved_dtype != "fp32":
+        eager["fp32"] = compute_config(config, "fp32")
+    backends: dict[str, MultiRatePolicy] = {}
+    for key, node_config in eager.items():
+        backends[f"torch {path_name(node_config)}"] = build_policies(node_config)[0]
+    c = next(iter(backends.values())).config
+    plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
+    for recipe in ("fp32", "int8-ort"):
+        engines = engine_set(config, plain, "onnxruntime", recipe, build=True)
+        backends[f"onnxruntime {recipe}"] = EnginePolicy(plain, engines, config.cache, "cpu", config.reuse)
+    state = ego_state(c)
+    cases = {(backend, stage): fn for backend, policy in backends.items()
+             for stage, fn in _stage_cases(policy, image, state, instruction).items()}
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, fn in cases.items():
+            t0 = time.perf_counter_ns()
+            fn()
+            samples[key].append((time.perf_counter_ns() - t0) / 1e6)
+    ms = {f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in samples.items()}
+    floors = {}
+    for key, node_config in eager.items():
+        backend = f"torch {path_name(node_config)}"
+        compute = dtype_named(node_config.model.resolved_dtype)
+        for stage in ("tick", "frame"):
+            floor = measure_floor(c, stage, compute, _weight_bytes(node_config), BYTES[compute])
+            floor["stage_ms"] = ms[f"{backend}: {stage}"]
+            floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
+            floors[f"{backend}: {stage}"] = floor
+    return {"rounds": rounds, "ms": ms, "floor": floors}
