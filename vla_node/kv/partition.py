@@ -86,7 +86,9 @@ class KVPartition:
             self.k_zero = torch.zeros(L, H, G, D, dtype=sd, device=dev)
             self.v_scale = torch.ones(L, H, C, 1, dtype=sd, device=dev)  # per token
             self.v_zero = torch.zeros(L, H, C, 1, dtype=sd, device=dev)
-            self._deq = torch.zeros(H, C, D, dtype=torch.float32, device=dev)  # fp32 staging for non-fp32 reads
+            # fp32 staging for non-fp32 reads: one layer for read(), up to 1 MiB of layers at a time for read_all()
+            staged_layers = max(1, min(L, (1 << 20) // (H * C * D * 4)))
+            self._deq = torch.zeros(staged_layers, H, C, D, dtype=torch.float32, device=dev)
         self.valid = torch.zeros(C, dtype=torch.bool, device=dev)
         self.position = torch.zeros(C, dtype=torch.int64, device=dev)
         self.frame_id = torch.zeros(C, dtype=torch.int64, device=dev)
@@ -420,8 +422,28 @@ class KVPartition:
             out_k.copy_(self.k[layer])
             out_v.copy_(self.v[layer])
             return out_k, out_v, self.valid
-        self._dequant_layer(layer, out_k, out_v)
+        self._dequant_layers(layer, out_k, out_v, self._deq[0])
         return out_k, out_v, self.valid
+
+    def read_all(self, out_k: torch.Tensor, out_v: torch.Tensor) -> torch.Tensor:
+        """K, V of every layer dequantized / converted into out_k, out_v [n_layers, n_kv_heads, capacity, head_dim]
+        (any float dtype; views into a larger buffer work): what read() returns for each layer, in a few passes over
+        all layers instead of one per layer. Returns the valid mask bool[capacity]."""
+        want = (self.spec.n_layers, self.spec.n_kv_heads, self.capacity, self.spec.head_dim)
+        for name, t in (("out_k", out_k), ("out_v", out_v)):
+            if tuple(t.shape) != want or not t.is_floating_point():
+                raise ValueError(f"{self.name}.read_all: {name} {_describe(t)}: expected a float tensor {list(want)}")
+        if not self.spec.quantized:
+            out_k.copy_(self.k)
+            out_v.copy_(self.v)
+        elif out_k.dtype == torch.float32 and out_v.dtype == torch.float32:
+            self._dequant_layers(slice(None), out_k, out_v, None)  # straight into the outputs
+        else:
+            n_layers, step = want[0], self._deq.shape[0]  # layers per pass through the fp32 staging
+            for start in range(0, n_layers, step):
+                end = min(start + step, n_layers)
+                self._dequant_layers(slice(start, end), out_k[start:end], out_v[start:end], self._deq[: end - start])
+        return self.valid
 
     def round_trip(self, k: torch.Tensor, v: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """out_k, out_v <- what read() of a layer returns after a write of every slot in order with k, v [n_kv_heads,
@@ -449,30 +471,33 @@ class KVPartition:
             raise ValueError(f"{self.name}.read_keys: layer {layer}, out_k {_describe(out_k)}: expected "
                              f"0 <= layer < {self.spec.n_layers} and a float tensor {list(want)}")
         if self.spec.quantized:
-            self._dequant_keys(layer, out_k)
+            self._dequant_keys(layer, out_k, self._deq[0])
         else:
             out_k.copy_(self.k[layer])
         return out_k
 
-    def _dequant_layer(self, layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-        self._dequant_keys(layer, out_k)
+    def _dequant_layers(self, layers: int | slice, out_k: torch.Tensor, out_v: torch.Tensor,
+                        staging: torch.Tensor | None) -> None:
+        """K and V of `layers` (one index: [H, C, D]; a slice: [l, H, C, D]) dequantized into out_k, out_v, through the
+        fp32 `staging` (their shape) where they are not fp32."""
+        self._dequant_keys(layers, out_k, staging)
         if out_v.dtype == torch.float32:
-            quant.dequantize(self.v[layer], self.v_scale[layer], self.v_zero[layer], out=out_v)
+            quant.dequantize(self.v[layers], self.v_scale[layers], self.v_zero[layers], out=out_v)
         else:
-            out_v.copy_(quant.dequantize(self.v[layer], self.v_scale[layer], self.v_zero[layer], out=self._deq))
+            out_v.copy_(quant.dequantize(self.v[layers], self.v_scale[layers], self.v_zero[layers], out=staging))
 
-    def _dequant_keys(self, layer: int, out_k: torch.Tensor) -> None:
-        dk = out_k if out_k.dtype == torch.float32 else self._deq
+    def _dequant_keys(self, layers: int | slice, out_k: torch.Tensor, staging: torch.Tensor | None) -> None:
+        dk = out_k if out_k.dtype == torch.float32 else staging  # [.., H, C, D]
         G, C = self.spec.key_group, self.capacity
         full = C // G
-        H, D = self.spec.n_kv_heads, self.spec.head_dim
+        codes, scale, zero = self.k[layers], self.k_scale[layers], self.k_zero[layers]  # [.., H, C | groups, D]
         if full:
-            codes = self.k[layer, :, : full * G].view(H, full, G, D)  # [H, groups, G, D]
-            quant.dequantize(codes, self.k_scale[layer, :, :full, None], self.k_zero[layer, :, :full, None],
-                             out=dk[:, : full * G].view(H, full, G, D))
+            by_group = (full, G)  # [.., H, full * G, D] -> [.., H, groups, G, D]
+            quant.dequantize(codes[..., : full * G, :].unflatten(-2, by_group), scale[..., :full, None, :],
+                             zero[..., :full, None, :], out=dk[..., : full * G, :].unflatten(-2, by_group))
         if full * G < C:
-            quant.dequantize(self.k[layer, :, full * G:], self.k_scale[layer, :, full:full + 1],
-                             self.k_zero[layer, :, full:full + 1], out=dk[:, full * G:])
+            quant.dequantize(codes[..., full * G :, :], scale[..., full : full + 1, :], zero[..., full : full + 1, :],
+                             out=dk[..., full * G :, :])
         if dk is not out_k:
             out_k.copy_(dk)
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from vla_node.kv.attention import Segment, buffer_attention, fill_bias
+from vla_node.kv.partition import KVPartition
 
 
 class PrefixBuffer:
@@ -54,6 +55,29 @@ class PrefixBuffer:
             if offset != self.prefix_tokens:
                 raise ValueError(f"prefix segments hold {offset} tokens: expected {self.prefix_tokens}")
 
+    def load_partitions(self, parts: Sequence[tuple[KVPartition, torch.Tensor | None]]) -> None:
+        """load() from whole partitions, every layer at once: each (partition, bias [capacity] or None) in order into
+        [0, P), its K/V dequantized or converted straight into the buffer (KVPartition.read_all), its slots masked by
+        its validity. The same contents as load() over the segments of the partitions' read()."""
+        offset = 0
+        for partition, bias in parts:
+            end = offset + partition.capacity
+            if end > self.prefix_tokens:
+                raise ValueError(f"prefix partitions hold more than the {self.prefix_tokens} tokens allocated")
+            valid = partition.read_all(self.k[:, :, offset:end], self.v[:, :, offset:end])
+            fill_bias(self.bias[:, offset:end], valid, bias)
+            offset = end
+        if offset != self.prefix_tokens:
+            raise ValueError(f"prefix partitions hold {offset} tokens: expected {self.prefix_tokens}")
+
+    def load_states(self, partition: KVPartition) -> None:
+        """The state ring [P, P + S) of every layer at once from `partition` (its S slots, converted or dequantized as
+        its read() does), for a block that then attends with states=None."""
+        p, s = self.prefix_tokens, self.state_slots
+        if partition.capacity != s:
+            raise ValueError(f"state partition of {partition.capacity} slots: expected {s}")
+        partition.read_all(self.k[:, :, p : p + s], self.v[:, :, p : p + s])
+
     def set_block(self, state_mask: torch.Tensor | None, block_mask: torch.Tensor | None, n: int) -> None:
         """The next block's n rows: state_mask bool [n, S] (None = no state visible), block_mask bool [n, n]
         (None = all)."""
@@ -71,8 +95,9 @@ class PrefixBuffer:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                states: Segment | None) -> torch.Tensor:
-        """q [H, n, hd] of the block over the prefix, the states (their k, v [KV, S, hd]; None = none visible) and
-        the block's own k, v [KV, n, hd]. Returns [H, n, hd]."""
+        """q [H, n, hd] of the block over the prefix, the states (their k, v [KV, S, hd], copied in for this layer;
+        None: the state slots as they are, from load_states or not seen: set_block's state_mask says) and the
+        block's own k, v [KV, n, hd]. Returns [H, n, hd]."""
         n = self._block
         if q.shape[1] != n or k.shape[1] != n:
             raise ValueError(f"block of {q.shape[1]} queries, {k.shape[1]} keys: set_block said {n}")

@@ -253,6 +253,10 @@ class VisionMemory:
             out.append(Segment(k, v, valid, self._bias if i == 0 else None))
         return out
 
+    def prefix_parts(self) -> list[tuple[KVPartition, torch.Tensor | None]]:
+        """(partition, bias) per partition, the bias as segments() gives it: for PrefixBuffer.load_partitions."""
+        return [(p, self._bias if i == 0 else None) for i, p in enumerate(self.partitions)]
+
     def add_importance(self, slots_or_mask: torch.Tensor | None, scores: torch.Tensor, segment: int = 0) -> None:
         """Accumulate attention mass (e.g. attention.attention_mass after an action tick) into the importance
         of partitions[segment]'s slots; see KVPartition.add_importance for the shapes."""

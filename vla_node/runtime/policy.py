@@ -254,9 +254,13 @@ class MultiRatePolicy:
         return attend
 
     def _over_prefix(self, states: bool) -> Callable:
-        """Attention over the prefix buffer, the state ring when `states`, and the block (its masks set_block'ed)."""
+        """Attention over the prefix buffer, the state ring when `states` (read into the buffer now, every layer at
+        once), and the block (its masks set_block'ed)."""
+        if states:
+            self._prefix.load_states(self.action)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self._prefix.attend(layer, q, k, v, self._segment(self.action, layer) if states else None)
+            return self._prefix.attend(layer, q, k, v, None)
 
         return attend
 
@@ -272,6 +276,10 @@ class MultiRatePolicy:
 
     def _vision_prefix(self, layer: int) -> list[Segment]:
         return [self._segment(self.text, layer), *self.vision.segments(layer)]
+
+    def _reload_prefix_buffer(self) -> None:
+        """The tick's prefix buffer read anew from the cache: _vision_prefix's segments, every layer at once."""
+        self._prefix.load_partitions([(self.text, None), *self.vision.prefix_parts()])
 
 
     # --- stages ---------------------------------------------------------------------------------------
@@ -383,7 +391,7 @@ class MultiRatePolicy:
         if self._frame_tokens is not None:
             self._frame_tokens.discard()
         if tick is not None:
-            self._prefix.load(self._vision_prefix)
+            self._reload_prefix_buffer()
 
     def _update_tokens(self, outputs: list[torch.Tensor], tokens: list[torch.Tensor] | None, check: Check | None,
                        scene_cut: bool = False, tick: "_TickRows | None" = None) -> ActionChunk | None:
@@ -446,7 +454,7 @@ class MultiRatePolicy:
         already), and the stored states (they attend to text and vision) are recomputed now or marked for the next
         tick's block."""
         if self._prefix is not None and not prefix_loaded:
-            self._prefix.load(self._vision_prefix)
+            self._reload_prefix_buffer()
         if self._fuse_states:
             self._states_stale = True
         else:

@@ -145,7 +145,6 @@ class ReuseGate:
         column_dtype = np.int16 if patch * 255 <= np.iinfo(np.int16).max else np.int32
         self._column_sums = np.empty((self.grid[0], width * 3), column_dtype)  # (rows, W*3)
         self._patch_sums = np.empty(self.grid, np.int64)  # (rows, cols): sum of _diff per patch
-        self._patch_mask = np.empty(self.grid, np.bool_)  # patches copied by commit
         self._has_reference = False
         self._frames_since_full = 0
         self._age = np.zeros(self.num_patches, np.int64)  # changing frames each patch has been reused since refreshed
@@ -236,12 +235,9 @@ class ReuseGate:
                 self._age[plan.refresh] = 0
             rows, cols = self.grid
             p = self.patch_size
-            mask = self._patch_mask.reshape(-1)  # (rows, cols) -> (num_patches,), a view
-            mask[:] = False
-            mask[plan.refresh] = True
-            # (H, W, 3) -> (rows, P, cols, P, 3): copy patch (r, c) where mask[r, c], broadcast over its pixels.
-            np.copyto(self._reference.reshape(rows, p, cols, p, 3), rgb.reshape(rows, p, cols, p, 3),
-                      where=self._patch_mask[:, None, :, None, None])
+            r, c = np.divmod(plan.refresh, cols)  # each refreshed patch's (row, col) in the grid
+            # (H, W, 3) -> (rows, P, cols, P, 3): copy the refreshed patches only, [k, P, P, 3]
+            self._reference.reshape(rows, p, cols, p, 3)[r, :, c] = rgb.reshape(rows, p, cols, p, 3)[r, :, c]
             self._frames_since_full += 1
         self._has_reference = True
         self._basis = next(_basis_tokens)

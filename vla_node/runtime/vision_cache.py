@@ -33,7 +33,7 @@ the decoder's KV cache (a budget stop leaves both as they were).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -91,15 +91,43 @@ def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None
 
 
 def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
-                 dim: int) -> None:
+                 dim: int, at: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
     """out <- old for every token, moved by the mean change (new - old) over `sample`, then new at `rows` (sorted,
-    a superset of sample). Tokens run along `dim` of out and old (all T) and of new (the n recomputed rows)."""
-    out.copy_(old)
+    a superset of sample). Tokens run along `dim` of out and old (all T) and of new (the n recomputed rows). `at`:
+    the sample's places among the rows (searchsorted(rows, sample)), where the caller has them already; `scratch`:
+    fp32, at least old's size, for the move of a non-fp32 `old` (without it, a temporary is allocated)."""
     if sample.numel():
-        at = torch.searchsorted(rows, sample)  # the sample's places among the recomputed rows
+        if at is None:
+            at = torch.searchsorted(rows, sample)  # the sample's places among the recomputed rows
         change = new.index_select(dim, at).float() - old.index_select(dim, sample).float()
-        out.add_(change.mean(dim, keepdim=True))
+        move = change.mean(dim, keepdim=True)
+        if old.dtype == torch.float32:
+            torch.add(old, move, out=out)
+        else:  # the move in fp32, rounded once: as out.copy_(old).add_(move) computes it, without its temporaries
+            wide = old.float() if scratch is None else scratch.view(-1)[: old.numel()].view(old.shape).copy_(old)
+            out.copy_(wide.add_(move))
+    else:
+        out.copy_(old)
     out.index_copy_(dim, rows, new)
+
+
+class Rows(NamedTuple):
+    """The tokens a layer recomputes: rows sorted int64 [n] (the gate's, the drifted and the shared-drift sample),
+    the sample int64 [s] and its places among the rows, `at` int64 [s]."""
+
+    rows: torch.Tensor
+    sample: torch.Tensor
+    at: torch.Tensor
+
+
+def pick_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None, threshold: float | None,
+              mask: torch.Tensor, budget: float | None, samples: int) -> Rows:
+    """drifted_rows, then (while some token is reused) the shared-drift sample of `samples` tokens (shared_sample)."""
+    rows = drifted_rows(x, x_ref, base, threshold, mask, budget)  # [n]
+    sample = rows[:0]
+    if samples and rows.numel() < x.shape[0]:
+        rows, sample = shared_sample(rows, samples, mask)
+    return Rows(rows, sample, torch.searchsorted(rows, sample))
 
 
 def _stage_rows(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor | None) -> None:
@@ -137,9 +165,7 @@ class VisionTokenCache:
         C = num_cameras
         self.tokens, self.width, self.heads, self.head_dim, self.num_layers = T, W, H, hd, L
         self.x_ref = torch.zeros(C, L, T, W, dtype=dtype)  # each layer's input when the token was last recomputed
-        self.q = torch.zeros(C, L, H, T, hd, dtype=dtype)
-        self.k = torch.zeros_like(self.q)
-        self.v = torch.zeros_like(self.q)
+        self.qkv = torch.zeros(C, L, 3, H, T, hd, dtype=dtype)  # query, key, value (the views q, k, v)
         self.attn_out = torch.zeros(C, L, T, W, dtype=dtype)  # the attention's residual update (after out_proj)
         self.mlp_out = torch.zeros(C, L, T, W, dtype=dtype)  # the MLP's residual update
         self.mid_ref = torch.zeros(C, L, T, W, dtype=dtype)  # each MLP's input (x + attention) when last recomputed
@@ -151,8 +177,21 @@ class VisionTokenCache:
         self._staged_rows: list[list[int]] = [[0] * L for _ in range(C)]  # tokens recomputed per layer (accounting)
         self._mask = torch.zeros(T, dtype=torch.bool)
         self._x = torch.zeros(T, W, dtype=dtype)  # the residual stream of the camera being refreshed
+        self._wide = None if dtype == torch.float32 else torch.zeros(3 * T * W)  # shift_reused's fp32 scratch
 
-    _STATE = ("x_ref", "q", "k", "v", "attn_out", "mlp_out", "mid_ref", "out")
+    _STATE = ("x_ref", "qkv", "attn_out", "mlp_out", "mid_ref", "out")
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.qkv[:, :, 0]  # [C, L, H, T, hd]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.qkv[:, :, 1]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.qkv[:, :, 2]
 
     def recomputed_tokens(self, camera: int) -> float:
         """Mean over layers of the tokens the staged refresh of `camera` recomputed (Q/K/V and MLP)."""
@@ -185,37 +224,41 @@ class VisionTokenCache:
         else:
             x.copy_(live["x_ref"][0])
             x[tokens] = emb.embed_patches(patches[tokens][None], tokens)[0]
+        # without the per-layer drift gates every layer recomputes the same rows: picked once
+        fixed = None if self._track_inputs else self._pick_rows(x, live["x_ref"][0], tokens)
         for i, layer in enumerate(self.tower.encoder.layers):
             if check is not None and not check(i / self.num_layers):
                 raise VisionStageAborted(f"stopped before vision layer {i}")
-            self._layer(i, layer, x, tokens, live, st, camera)
+            self._layer(i, layer, x, tokens, live, st, camera, fixed)
         st["out"].copy_(self.tower.post_layernorm(x))
         self._staged[camera] = True
         return st["out"]
 
+    def _pick_rows(self, x: torch.Tensor, x_ref: torch.Tensor, tokens: torch.Tensor | None) -> Rows:
+        return pick_rows(x, x_ref, tokens, self.drift_threshold, self._mask, self.layer_budget,
+                         self.shared_drift_samples)
+
     def _layer(self, i: int, layer, x: torch.Tensor, tokens: torch.Tensor | None, live: dict, st: dict,
-               camera: int) -> None:
-        """One encoder layer over the residual stream x [T, W] (updated in place), writing the staged state."""
+               camera: int, fixed: Rows | None) -> None:
+        """One encoder layer over the residual stream x [T, W] (updated in place), writing the staged state; `fixed`:
+        the rows every layer recomputes (None: this layer's drift gate picks them)."""
         a = layer.self_attn
         T, W, H, hd = self.tokens, self.width, self.heads, self.head_dim
-        rows = drifted_rows(x, live["x_ref"][i], tokens, self.drift_threshold, self._mask, self.layer_budget)  # [n]
-        sample = rows[:0]
-        if self.shared_drift_samples and rows.numel() < T:
-            rows, sample = shared_sample(rows, self.shared_drift_samples, self._mask)
+        rows, sample, at = fixed if fixed is not None else self._pick_rows(x, live["x_ref"][i], tokens)
         n = rows.numel()
         self._staged_rows[camera][i] = n
         full = n == T
         xr = x if full else x.index_select(0, rows)  # [n, W]
-        sq, sk, sv, sx = st["q"][i], st["k"][i], st["v"][i], st["x_ref"][i]
+        sqkv, sx = st["qkv"][i], st["x_ref"][i]  # [3, H, T, hd], [T, W]
+        sq, sk, sv = sqkv
         h = layer.layer_norm1(xr)
         q = a.q_proj(h).reshape(n, H, hd).transpose(0, 1)  # [n, W] -> [H, n, hd]
         k = a.k_proj(h).reshape(n, H, hd).transpose(0, 1)
         v = a.v_proj(h).reshape(n, H, hd).transpose(0, 1)
         if full:
-            sq.copy_(q), sk.copy_(k), sv.copy_(v)
-        else:
-            for buf, new, old in ((sq, q, live["q"][i]), (sk, k, live["k"][i]), (sv, v, live["v"][i])):
-                shift_reused(buf, old, new, rows, sample, 1)
+            torch.stack([q, k, v], out=sqkv)  # -> [3, H, T, hd]
+        else:  # one shift for the three: [3, H, n, hd] into [3, H, T, hd]
+            shift_reused(sqkv, live["qkv"][i], torch.stack([q, k, v]), rows, sample, 2, at, self._wide)
         if self._track_inputs or i == 0:
             _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
@@ -225,10 +268,11 @@ class VisionTokenCache:
         else:
             attn = softmax_attention(q, sk, sv)  # [H, n, hd]
             new = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
-            shift_reused(sa, live["attn_out"][i], new, rows, sample, 0)
+            shift_reused(sa, live["attn_out"][i], new, rows, sample, 0, at, self._wide)
         x.add_(sa)
         if not full and self.drift_threshold is not None:  # the MLP's own gate: its input moved with the attention
             rows = drifted_rows(x, live["mid_ref"][i], rows, self.drift_threshold, self._mask)
+            at = None  # the sample's places among the new rows: shift_reused finds them
             n = rows.numel()
             full = n == T
             self._staged_rows[camera][i] = n
@@ -238,7 +282,8 @@ class VisionTokenCache:
         if full:
             sm.copy_(layer.mlp(layer.layer_norm2(x)))
         else:
-            shift_reused(sm, live["mlp_out"][i], layer.mlp(layer.layer_norm2(mid)), rows, sample, 0)
+            shift_reused(sm, live["mlp_out"][i], layer.mlp(layer.layer_norm2(mid)), rows, sample, 0, at,
+                         self._wide)
         x.add_(sm)
 
     def commit(self) -> None:
@@ -263,6 +308,16 @@ class VisionTokenCache:
     def reset(self) -> None:
         self.valid = [False] * len(self.valid)
         self.discard()
+
+
+class _Picked(NamedTuple):
+    """A decoder layer's rows to recompute (FrameTokenCache._pick): `index` int64 [n + n_extra], those rows and the
+    extra rows behind them as rows of the residual stream (None: every row), and their RoPE tables [n + n_extra, hd]."""
+
+    rows: Rows
+    index: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class FrameTokenCache:
@@ -306,6 +361,7 @@ class FrameTokenCache:
         self._stage = {name: torch.zeros_like(getattr(self, name)) for name in self._STATE}
         self._mask = torch.zeros(tokens, dtype=torch.bool)
         self._x = torch.zeros(tokens + extra_rows, hidden, dtype=dtype)  # residual streams: the frame, extra rows
+        self._wide = None if dtype == torch.float32 else torch.zeros(tokens * hidden)  # shift_reused's fp32 scratch
         self._extra_index = torch.arange(tokens, tokens + extra_rows)  # the extra rows' places in _x
         self.context: object = None  # what the cached state was computed against (the instruction); None = empty
         self._staged_context: object = None
@@ -348,6 +404,7 @@ class FrameTokenCache:
         if extra is not None:
             xe.copy_(extra.x)
         extra_index = self._extra_index[:n_extra]
+        fixed = None  # the rows every layer recomputes, once picked (without the per-layer drift gates)
         n_layers = len(self.layers)
         for i, layer in enumerate(self.layers):
             if check is not None and not check(i / n_layers):
@@ -360,8 +417,11 @@ class FrameTokenCache:
                 if extra is not None:
                     self._finish_extra_rows(i, layer, a, h, cos, sin, xe, extra, apply_rope)
                 break
-            self._recompute_layer(i, layer, a, h, q_all, cos, sin, xa, xs, xe, tokens, text, attend, extra,
-                                  extra_index, Segment, apply_rope)
+            picked = fixed if fixed is not None else self._pick(i, xs, tokens, cos, sin, extra_index)
+            if not self._track_inputs:
+                fixed = picked
+            self._recompute_layer(i, layer, a, h, q_all, picked, xa, xs, xe, text, attend, extra, extra_index,
+                                  Segment, apply_rope)
         self._staged, self._staged_context = True, context
 
     def _stage_kv(self, i: int, a, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, every_query: bool,
@@ -400,32 +460,38 @@ class FrameTokenCache:
         attn = extra.attend(i, q, extra.out_k[i], extra.out_v[i], s["k"][i], s["v"][i])
         extra.hidden = layer.finish(xe, attn)
 
-    def _recompute_layer(self, i: int, layer, a, h: torch.Tensor, q_all: torch.Tensor | None, cos: torch.Tensor,
-                         sin: torch.Tensor, xa: torch.Tensor, xs: torch.Tensor, xe: torch.Tensor,
-                         tokens: torch.Tensor | None, text: Callable[[int], Segment], attend: Callable,
-                         extra: ExtraRows | None, extra_index: torch.Tensor, segment_type: type,
+    def _pick(self, i: int, xs: torch.Tensor, tokens: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              extra_index: torch.Tensor) -> _Picked:
+        """Layer i's rows to recompute (pick_rows over the frame's stream xs [T, hidden]) as rows of the whole
+        stream with the extra rows behind them, and their RoPE tables."""
+        rows, sample, at = pick_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask, self.layer_budget,
+                                     self.shared_drift_samples)
+        if rows.numel() == self.tokens:
+            return _Picked(Rows(rows, sample, at), None, cos, sin)
+        index = torch.cat([rows, extra_index])  # [n + n_extra] rows of the stream
+        return _Picked(Rows(rows, sample, at), index, cos.index_select(0, index), sin.index_select(0, index))
+
+    def _recompute_layer(self, i: int, layer, a, h: torch.Tensor, q_all: torch.Tensor | None, picked: _Picked,
+                         xa: torch.Tensor, xs: torch.Tensor, xe: torch.Tensor, text: Callable[[int], Segment],
+                         attend: Callable, extra: ExtraRows | None, extra_index: torch.Tensor, segment_type: type,
                          apply_rope: Callable) -> None:
         """Layer i below the last, its K/V staged, over the residual streams xa (xs the frame's [T, hidden], xe the
-        extra rows'; updated in place): picks the rows to recompute, their and the extra rows' queries, attention
-        and o_proj (reused tokens' updates kept or moved), then the MLP (_update_mlp). Stages q, x_ref, attn_out."""
+        extra rows'; updated in place): for the `picked` rows and the extra rows, their queries, attention and
+        o_proj (reused tokens' updates kept or moved), then the MLP (_update_mlp). Stages q, x_ref, attn_out."""
         T, H, hd = self.tokens, self.heads, self.head_dim
         s = self._stage
-        rows = drifted_rows(xs, self.x_ref[i], tokens, self.drift_threshold, self._mask, self.layer_budget)  # [n]
-        sample = rows[:0]
-        if self.shared_drift_samples and rows.numel() < T:
-            rows, sample = shared_sample(rows, self.shared_drift_samples, self._mask)
+        rows, sample, at = picked.rows
         n = rows.numel()
         self.staged_rows[i] = n
         full = n == T
         sq = s["q"][i]
         # queries of the recomputed rows and the extra rows, one matmul: [H, n + n_extra, hd]
-        picked = None if full else torch.cat([rows, extra_index])  # rows of xa
         if q_all is not None:  # (a full run: every row)
             q = q_all
         else:
-            q = a.q_proj(h if picked is None else h.index_select(0, picked)).reshape(-1, H, hd).transpose(0, 1)
-            q = apply_rope(q, cos if picked is None else cos.index_select(0, picked),
-                           sin if picked is None else sin.index_select(0, picked))
+            index = picked.index
+            q = a.q_proj(h if index is None else h.index_select(0, index)).reshape(-1, H, hd).transpose(0, 1)
+            q = apply_rope(q, picked.cos, picked.sin)
         q_extra = q[:, n:]
         if full:
             sq.copy_(q[:, :T])
@@ -439,38 +505,41 @@ class FrameTokenCache:
         sa = s["attn_out"][i]
         every = full or (self.attend_all and not self.shared_drift_samples)  # every token's attention anew
         attn, _ = attend(sq if every else q[:, :n], [text(i), own])  # [H, T or n, hd]
-        if extra is not None:  # one o_proj for both: [H, T or n, hd] | [H, n_extra, hd]
-            extra_attn = extra.attend(i, q_extra, extra.out_k[i], extra.out_v[i], s["k"][i], s["v"][i])
-            attn = torch.cat([attn, extra_attn], dim=1)
-        out = a.o_proj(attn.transpose(0, 1).reshape(-1, H * hd))  # [H, rows, hd] -> [rows, H*hd]
+        parts = [attn]  # one o_proj for both: [H, T or n, hd] | [H, n_extra, hd]
+        if extra is not None:
+            parts.append(extra.attend(i, q_extra, extra.out_k[i], extra.out_v[i], s["k"][i], s["v"][i]))
+        rows_in = torch.cat([part.transpose(0, 1) for part in parts])  # -> [rows, H, hd], one copy
+        out = a.o_proj(rows_in.reshape(-1, H * hd))  # [rows, H, hd] -> [rows, H*hd]
         if every:
             sa.copy_(out[:T])
         else:
-            shift_reused(sa, self.attn_out[i], out[:n], rows, sample, 0)
+            shift_reused(sa, self.attn_out[i], out[:n], rows, sample, 0, at, self._wide)
         xs.add_(sa)
         xe.add_(out[out.shape[0] - xe.shape[0] :])
-        self._update_mlp(i, layer, xa, xs, xe, rows, sample, full, extra_index)
+        self._update_mlp(i, layer, xa, xs, xe, picked, full, extra_index)
 
-    def _update_mlp(self, i: int, layer, xa: torch.Tensor, xs: torch.Tensor, xe: torch.Tensor, rows: torch.Tensor,
-                    sample: torch.Tensor, full: bool, extra_index: torch.Tensor) -> None:
+    def _update_mlp(self, i: int, layer, xa: torch.Tensor, xs: torch.Tensor, xe: torch.Tensor, picked: _Picked,
+                    full: bool, extra_index: torch.Tensor) -> None:
         """Layer i's MLP over the residual streams (in place) for the recomputed rows, after the MLP's own drift
         gate, and the extra rows; reused tokens' updates kept or moved by the sample's. Stages mid_ref, mlp_out."""
         T = self.tokens
         s = self._stage
         sm = s["mlp_out"][i]
+        (rows, sample, at), index = picked.rows, picked.index
         if not full and self.drift_threshold is not None:  # the MLP's own gate
             rows = drifted_rows(xs, self.mid_ref[i], rows, self.drift_threshold, self._mask)
             full = rows.numel() == T
             self.staged_rows[i] = rows.numel()
+            at, index = None, None if full else torch.cat([rows, extra_index])  # [rows + n_extra]
         if self.drift_threshold is not None:
             _stage_rows(s["mid_ref"][i], self.mid_ref[i], xs if full else xs.index_select(0, rows),
                         None if full else rows)
-        mid = xa if full else xa.index_select(0, torch.cat([rows, extra_index]))  # [rows + n_extra, hidden]
+        mid = xa if full else xa.index_select(0, index)  # [rows + n_extra, hidden]
         out = layer.mlp(layer.post_attention_layernorm(mid))
         if full:
             sm.copy_(out[:T])
         else:
-            shift_reused(sm, self.mlp_out[i], out[: rows.numel()], rows, sample, 0)
+            shift_reused(sm, self.mlp_out[i], out[: rows.numel()], rows, sample, 0, at, self._wide)
         xs.add_(sm)
         xe.add_(out[out.shape[0] - xe.shape[0] :])
 
