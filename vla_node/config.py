@@ -153,12 +153,16 @@ class RealtimeConfig:
     gc_freeze: bool = True  # gc.collect(); gc.freeze() after warm-up, automatic GC off in the loop
     cpu_affinity: tuple[int, ...] = ()  # CPUs for the node's process; () = leave as is
     sched_fifo_priority: int = 0  # SCHED_FIFO priority 1-99 where permitted; 0 = off
+    worker_nice: int = 0  # the inference thread's nice value (0-19): > 0 lets the publisher thread preempt it
 
     def __post_init__(self) -> None:
         require(all(isinstance(c, int) and c >= 0 for c in self.cpu_affinity), "realtime.cpu_affinity",
                 self.cpu_affinity, "a list of CPU indices >= 0")
         require(isinstance(self.sched_fifo_priority, int) and 0 <= self.sched_fifo_priority <= 99,
                 "realtime.sched_fifo_priority", self.sched_fifo_priority, "an integer in [0, 99] (0 = off)")
+        require(isinstance(self.worker_nice, int) and not isinstance(self.worker_nice, bool)
+                and 0 <= self.worker_nice <= 19, "realtime.worker_nice", self.worker_nice,
+                "an integer in [0, 19] (0 = the process's own)")
 
 
 @dataclass(frozen=True)

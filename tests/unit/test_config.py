@@ -47,6 +47,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[model\npreset = 'small'\n", "invalid TOML"),
     ("[scheduler]\nsmaller_preset = 'tinyy'\n", "scheduler.smaller_preset = 'tinyy': expected one of"),
     ("[health]\nperiod_s = inf\n", "health.period_s = inf: expected a finite number > 0"),
+    ("[realtime]\nworker_nice = 25\n", "realtime.worker_nice = 25: expected an integer in [0, 19]"),
     # checked against the model's window (tiny: 1 frame of 4 tokens) when the file loads, not at node start
     ("[model]\npreset = 'tiny'\n[cache.vision]\ncapacity_tokens = 1\n",
      "cache.vision.capacity_tokens = 1: expected >= 4 for policy 'fifo'"),

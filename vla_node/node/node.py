@@ -26,7 +26,7 @@ import torch
 from vla_node.config import NodeConfig
 from vla_node.node.ingest import Ingest
 from vla_node.node.pipeline import Pipeline
-from vla_node.node.realtime import apply_realtime, drop_realtime_priority, rss_bytes
+from vla_node.node.realtime import apply_realtime, drop_realtime_priority, lower_thread_priority, rss_bytes
 from vla_node.node.signals import SignalFlag
 from vla_node.sched.broker import ChunkBroker
 from vla_node.sched.clock import ControlClock
@@ -95,6 +95,7 @@ class Node:
     def _worker_loop(self) -> None:
         if self.config.realtime.sched_fifo_priority:
             drop_realtime_priority()  # SCHED_FIFO is the publisher's alone
+        lower_thread_priority(self.config.realtime.worker_nice)
         transport, ingest, pipeline = self.transport, self.ingest, self.pipeline
         period = int(self.config.health.period_s * 1e9)
         posted = self.clock() - period  # the first figures cover one nominal period

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from vla_node.config import RealtimeConfig
 
@@ -41,3 +42,16 @@ def drop_realtime_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     except (OSError, AttributeError) as e:
         log.warning("the worker thread keeps the realtime priority (SCHED_OTHER not applied: %s)", e)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise this thread's nice value by `nice` (Linux: a thread id takes PRIO_PROCESS; no privilege needed to
+    lower one's own priority): under CFS the publisher thread, at the process's nice value, then preempts it when
+    its tick is due instead of waiting for a core."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (OSError, AttributeError) as e:
+        log.warning("worker_nice %d not applied: %s", nice, e)
