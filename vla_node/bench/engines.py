@@ -214,11 +214,11 @@ def _targets(steps: dict, eager_ms: float) -> dict:
 def table(result: dict) -> str:
     lines = [f"bench engines: {result['preset']}, {result['threads']} thread(s), {result['iters']} rounds; "
              f"{result['cpu']}; {result['kernels']}",
-             f"{'step':<20}{'recipe':<20}{'ms':>9}  parity vs torch-fp32 (max relative, per output)"]
+             f"{'step':<22}{'recipe':<20}{'ms':>9}  parity vs torch-fp32 (max relative, per output)"]
     for step, recipes in result["steps"].items():
         for recipe, f in recipes.items():
             rel = ", ".join(f"{k} {v['max_rel']:.1e}" for k, v in f["parity_vs_torch_fp32"].items())
-            lines.append(f"{step:<20}{recipe:<20}{f['ms']:>9.3f}  {rel}")
+            lines.append(f"{step:<22}{recipe:<20}{f['ms']:>9.3f}  {rel}")
     lines.append(f"{'eager default frame':<40}{result['eager_default_frame_ms']:>9.3f}  (the eager policy: full "
                  "refresh + tick, fp16 weights)")
     t = result["targets"]

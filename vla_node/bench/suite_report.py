@@ -20,6 +20,11 @@ def _table(rows: Sequence[Sequence[object]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in cells[1:])]
 
 
+def _short(value: object) -> object:
+    """A float to 4 significant digits for a table; anything else as it is."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
 def _met(t: dict) -> str:
     return "met" if t["met"] else "**missed**"
 
@@ -70,8 +75,8 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
         rows = [("clip: setting", "reuse ratio", "vision update speedup", "logit rel. err.", "bins agreement")]
         for clip, settings in bench["reuse"].items():
             for key, f in settings.items():
-                rows.append((f"{clip}: {key}", f.get("reuse_ratio_mean"), f.get("vision_update_speedup"),
-                             f.get("logit_rel_err"), f.get("top1_agreement")))
+                rows.append((f"{clip}: {key}", *(_short(f.get(k)) for k in ("reuse_ratio_mean", "vision_update_speedup",
+                                                                           "logit_rel_err", "top1_agreement"))))
         out.append(("bench reuse", _table(rows)))
     if "cache" in bench:
         keys = ("action_tick_ms", "vision_update_ms", "vision_update_with_tick_ms", "text_update_ms",
