@@ -39,7 +39,7 @@ import torch
 from vla_node.backends.loading import load_model
 from vla_node.bench.floor import measure_floor
 from vla_node.bench.model import hf_peer
-from vla_node.bench.reuse import ego_state, gate_tokens, logit_rel_err
+from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
 from vla_node.config import NodeConfig
 from vla_node.kv.dtypes import torch_dtype as dtype_named
 from vla_node.model.action_head import ActionChunk
@@ -48,7 +48,6 @@ from vla_node.progress import Progress
 from vla_node.runtime.engine_policy import EnginePolicy
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
-from vla_node.runtime.reuse import ReuseGate
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2}  # None: the compute dtype's
@@ -56,10 +55,9 @@ WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2}  # None: the c
 
 @dataclasses.dataclass
 class Gated:
-    """A policy behind one reuse gate (one camera), driven as the node drives it."""
+    """A policy behind its reuse gate (GatedPolicy: one camera), each frame timed, its chunk kept."""
 
-    policy: MultiRatePolicy
-    gate: ReuseGate
+    gated: GatedPolicy
     ms: list[float] = dataclasses.field(default_factory=list)
     reuse: list[float] = dataclasses.field(default_factory=list)
     chunks: list[ActionChunk] = dataclasses.field(default_factory=list)
@@ -67,11 +65,9 @@ class Gated:
     def frame(self, image: np.ndarray, state: np.ndarray) -> None:
         """One timed frame (uint8 [S, S, 3]): plan, vision update with the tick in its pass, commit."""
         t0 = time.perf_counter_ns()
-        plan = self.gate.plan(image)
-        tokens, scene_cut = gate_tokens([plan], self.policy.config.tokens_per_camera)
-        update = self.policy.update_vision(image[None], tokens, scene_cut, None, state)  # [1, S, S, 3]
-        self.gate.commit(plan, image)
-        chunk = update.chunk if update.chunk is not None else self.policy.action_tick(state)
+        update, _ = self.gated.update_vision(image[None], state)  # [1, S, S, 3]
+        policy = self.gated.policy
+        chunk = update.chunk if update.chunk is not None else policy.action_tick(state)
         self.ms.append((time.perf_counter_ns() - t0) / 1e6)
         self.reuse.append(update.reuse_ratio)
         self.chunks.append(chunk)
@@ -112,10 +108,9 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     int8 = EnginePolicy(plain, engine_set(config, plain, "onnxruntime", "int8-ort", build=True), config.cache,
                         "cpu", config.reuse)
-    gated = {"ours": Gated(policy, ReuseGate(config.reuse, c.image_size, c.patch_size)),
-             "int8": Gated(int8, ReuseGate(config.reuse, c.image_size, c.patch_size))}
+    gated = {"ours": Gated(GatedPolicy(policy, config.reuse)), "int8": Gated(GatedPolicy(int8, config.reuse))}
     for g in gated.values():
-        g.policy.update_text(instruction)
+        g.gated.policy.update_text(instruction)
     reference = ReferencePolicy(load_model(c, "plain", config.model.checkpoint, config.model.seed), torch_dtype)
     oracle = ReferencePolicy(plain)
     peer = hf_peer(plain, oracle, instruction, dtype=torch_dtype)

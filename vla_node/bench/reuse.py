@@ -168,11 +168,12 @@ class GatedPolicy:
         self.policy = policy
         self.gates = [ReuseGate(reuse, c.image_size, c.patch_size) for _ in range(c.num_cameras)]
 
-    def update_vision(self, images: np.ndarray) -> tuple[VisionUpdate, list[ReusePlan]]:
-        """images uint8 [C, S, S, 3]: plan every camera, update the policy, commit the plans."""
+    def update_vision(self, images: np.ndarray, state=None) -> tuple[VisionUpdate, list[ReusePlan]]:
+        """images uint8 [C, S, S, 3]: plan every camera, update the policy (with `state`: the tick in the frame's
+        pass, as the node runs a frame whose action is due), commit the plans."""
         plans = [gate.plan(images[i]) for i, gate in enumerate(self.gates)]
         tokens, scene_cut = gate_tokens(plans, self.policy.config.tokens_per_camera)
-        update = self.policy.update_vision(images, tokens, scene_cut)
+        update = self.policy.update_vision(images, tokens, scene_cut, None, state)
         for i, (gate, plan) in enumerate(zip(self.gates, plans)):
             gate.commit(plan, images[i])
         return update, plans

@@ -164,11 +164,11 @@ def run(out_dir: str | os.PathLike = "out/bench", drive: str | None = None, laun
     torch.set_num_threads(threads)
     frames = min(frames, 8) if quick else frames
     result: dict = {"header": header(threads), "launch": str(launch_path), "preset": config.model.preset}
-    dtype = "bf16" if result["header"]["bf16_hardware"] else "fp32"  # the issue's: bf16 where the CPU has it
+    dtype = "auto"  # bf16 where the CPU multiplies bf16 in hardware, else fp32 (ModelSection.resolved_dtype)
     instruction = config.model.instruction
     c = config.model.model_config()
     print(f"bench all: {result['header']['cpu']} ({result['header']['kernels']}), {threads} thread(s), "
-          f"{c.name}, compute {dtype}", flush=True)
+          f"{c.name}, {per_frame.path_name(per_frame.compute_config(config, dtype))}", flush=True)
     images, result["clip"] = _clip_frames(clip, frames, c.image_size)
     print(f"bench all: {len(images)} frames of {result['clip']} at {CLIP_FPS:g} fps", flush=True)
     result["model"] = per_frame.clip_figures(config, images, instruction, dtype)
@@ -179,8 +179,6 @@ def run(out_dir: str | os.PathLike = "out/bench", drive: str | None = None, laun
     result["node"] = node_replay(clip, launch_path, out, 30 if quick else 200) if replay_node else None
     eager = f"torch {per_frame.path_name(per_frame.compute_config(config, dtype))}"
     result["targets"] = targets(result["model"], result["stages"], result["node"], eager)
-    result["gpu"] = ("see .ci/gpu (python -m vla_node.bench.gpu_engines)" if result["header"]["gpu"] is None
-                     else result["header"]["gpu"])
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text(markdown(result))
     (out / "bench.html").write_text(render_html(result))
