@@ -1,13 +1,14 @@
-"""The node: transport -> ingest -> scheduler -> pipeline -> publish.
+"""The node: transport -> ingest -> scheduler -> pipeline -> the publisher process.
 
-Two threads, and the chunk broker is the only object whose state both touch. The worker owns the model and the
-transport's input sockets: it drains frames and commands (latest frame wins), runs the pipeline on the newest
-frames, offers each chunk to the broker with its frame's figures, and about once a health period posts its own
-figures (ingest, scheduler, cache) there. The main thread owns the output sockets: every control period it
-publishes the broker's action (fresh, chunk or fallback), and about once a second the health message built from
-the worker's latest posted figures (`worker_age_ms` says how old they are: a stalled worker shows) and its own.
-Publishing never waits on inference. SIGINT/SIGTERM stop both cleanly (exit 0); an unexpected exception in either
-thread is reported and the node exits non-zero so that launch restarts it.
+Two processes. This one (the worker) owns the model and the input sockets: its main thread drains frames and
+commands (latest frame wins), runs the pipeline on the newest frames, offers each chunk to the publisher with its
+frame's figures, and about once a health period posts its own figures (ingest, scheduler, cache, memory). The
+publisher process (node/publisher.py) owns the chunk broker and the output sockets: every control period it
+publishes the broker's action (fresh, chunk or fallback), about once a second the health message. It has its own
+interpreter lock, so no Python work here can delay a tick. SIGINT/SIGTERM stop both cleanly (exit 0): the worker
+finishes its frame and tells the publisher, which publishes a last health message saying why. An unexpected
+exception here, or the publisher exiting, is reported and the node exits non-zero so that launch restarts it;
+when this process dies (SIGKILL) the publisher sees its link close and exits too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-import sys
-import threading
 import time
 import traceback
+from dataclasses import asdict
 from typing import Callable
 
 import torch
@@ -26,83 +26,88 @@ import torch
 from vla_node.config import NodeConfig
 from vla_node.node.ingest import Ingest
 from vla_node.node.pipeline import Pipeline
-from vla_node.node.realtime import apply_realtime, drop_realtime_priority, lower_thread_priority, rss_bytes
+from vla_node.node.publisher import PublisherSpec
+from vla_node.node.publisher_link import PublisherLink
+from vla_node.node.realtime import apply_affinity, lower_thread_priority, rss_bytes
 from vla_node.node.signals import SignalFlag
-from vla_node.sched.broker import ChunkBroker
-from vla_node.sched.clock import ControlClock
-from vla_node.wire.protocol import FRAME_TOPIC_PREFIX, encode_action, encode_health
+from vla_node.wire.protocol import FRAME_TOPIC_PREFIX
 from vla_node.wire.transport import NodeTransport
 
 log = logging.getLogger(__name__)
 
 
 class Node:
-    """Warmed up, with its sockets open, when constructed; `run()` runs it until a signal or an error."""
+    """Warmed up, with its publisher started and its sockets open, when constructed; `run()` runs it until a
+    signal or an error."""
 
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
         self.clock = clock
         if config.model.threads:
             torch.set_num_threads(config.model.threads)
-        sys.setswitchinterval(0.0005)  # the publisher thread gets the GIL back within 0.5 ms of its tick
         self.started_ns = clock()
-        self.pipeline = Pipeline(config, clock)
-        self.backend = self.pipeline.backend  # what runs (frozen): read by the health topic on the publisher's side
-        c = self.pipeline.policy.config
-        self.ingest = Ingest(config.cameras, config.limits, c.state_dim, c.max_text_tokens - 1)
-        self.frame_topics = frozenset(FRAME_TOPIC_PREFIX + cam.name.encode() for cam in config.cameras)
-        self.broker: ChunkBroker = self.pipeline.broker
-        self.transport = NodeTransport(config.transport)
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.seq = 0
+        c = config.model.model_config()
+        # First, before the model: an action or health address in use fails fast, and the publisher's imports and
+        # binds overlap the warm-up. Spawned before worker_nice lowers this thread: it keeps the process's own.
+        spec = PublisherSpec.for_node(config, config.scheduler.broker(c.action_horizon, c.action_dims),
+                                      self.started_ns)
+        self.publisher = PublisherLink(asdict(spec))
+        try:
+            self.pipeline = Pipeline(config, clock, broker=self.publisher)
+            self.backend = self.pipeline.backend
+            self.ingest = Ingest(config.cameras, config.limits, c.state_dim, c.max_text_tokens - 1)
+            self.frame_topics = frozenset(FRAME_TOPIC_PREFIX + cam.name.encode() for cam in config.cameras)
+            self.transport = NodeTransport(config.transport, outputs=False)
+        except BaseException:
+            self.publisher.close()
+            raise
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def run(self) -> int:
-        """Run until a signal or an error; close the sockets. Returns the exit code."""
-        apply_realtime(self.config.realtime)
-        if self.config.realtime.gc_freeze:
+        """Run until a signal or an error; stop the publisher, close the sockets. Returns the exit code."""
+        rt = self.config.realtime
+        apply_affinity(rt.cpu_affinity)  # SCHED_FIFO is the publisher's alone
+        if rt.gc_freeze:
             gc.collect()
             gc.freeze()
-            gc.disable()  # no collection in the loops (as openpilot's realtime processes)
-        worker = threading.Thread(target=self._guard(self._worker_loop), name="vla-worker", daemon=True)
+            gc.disable()  # no collection in the loop (as openpilot's realtime processes)
+        lower_thread_priority(rt.worker_nice)
+        model = self.config.model
+        self.publisher.start({
+            "model": model.checkpoint or model.preset, "backend": self.backend.backend,
+            "recipe": self.backend.recipe, "backend_skipped": list(self.backend.skipped),
+            "device": model.device, "dtype": model.resolved_dtype, "weights": model.resolved_weights,
+        })
+        error: BaseException | None = None
+        reason = "error"
         with SignalFlag(signal.SIGINT, signal.SIGTERM) as signals:
-            worker.start()
             try:
-                self._guard(lambda: self._publisher_loop(signals))()
+                received = self._worker_loop(signals)
+                reason = f"signal {received}"
+                log.info("signal %d: stopping", received)
+            except BaseException as e:  # reported below; the node exits non-zero
+                error = e
+                reason = f"error: {type(e).__name__}: {e}"
             finally:
-                self.stop_event.set()
-                worker.join(timeout=10)
+                self.publisher.stop(reason)
                 self.transport.close()
-        if self.error is not None:
-            log.error("node stopped by an unexpected error:\n%s",
-                      "".join(traceback.format_exception(self.error)))
+        if error is not None:
+            log.error("node stopped by an unexpected error:\n%s", "".join(traceback.format_exception(error)))
             return 1
         log.info("node stopped cleanly")
         return 0
 
-    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
-        def guarded() -> None:
-            try:
-                fn()
-            except BaseException as e:  # reported by run(), which exits non-zero
-                self.error = self.error or e
-                self.stop_event.set()
-
-        return guarded
-
-    # --- worker: inputs and inference -----------------------------------------------------------------
-    def _worker_loop(self) -> None:
-        if self.config.realtime.sched_fifo_priority:
-            drop_realtime_priority()  # SCHED_FIFO is the publisher's alone
-        lower_thread_priority(self.config.realtime.worker_nice)
-        transport, ingest, pipeline = self.transport, self.ingest, self.pipeline
+    # --- the worker: inputs and inference -------------------------------------------------------------
+    def _worker_loop(self, signals: SignalFlag) -> int:
+        """Frames and commands in, chunks out, until a signal (returned; the handler only records it)."""
+        transport, ingest, pipeline, publisher = self.transport, self.ingest, self.pipeline, self.publisher
         period = int(self.config.health.period_s * 1e9)
         posted = self.clock() - period  # the first figures cover one nominal period
-        while not self.stop_event.is_set():
+        while signals.received is None:
+            publisher.check()
             if self.clock() - posted >= period:
                 now = self.clock()
-                self.broker.post_status(self._worker_status(now, (now - posted) / 1e9), now)
+                publisher.post_status(self._worker_status(now, (now - posted) / 1e9), now)
                 posted = now
             if not transport.poll(5):
                 continue
@@ -112,10 +117,11 @@ class Node:
             ingest.add_frames(frames, now)
             if ingest.ready():
                 pipeline.process(ingest.take(), ingest.instruction, ingest.state)
+        return signals.received
 
     def _worker_status(self, now: int, elapsed_s: float) -> dict:
-        """The worker's figures for health (taken in the worker thread, posted through the broker); camera rates
-        over the `elapsed_s` since the last post (a long frame can delay a post past its period)."""
+        """The worker's figures for health (posted to the publisher); camera rates over the `elapsed_s` since the
+        last post (a long frame can delay a post past its period)."""
         cfg = self.config.health
         pipeline = self.pipeline
         sched = pipeline.scheduler.health()
@@ -128,64 +134,5 @@ class Node:
             "instruction": pipeline.instruction,
             "kv_bytes": pipeline.policy.kv_bytes(),
             "reconnects": self.transport.reconnects,
-        }
-
-    # --- publisher: control rate and health -----------------------------------------------------------
-    def _publisher_loop(self, signals: SignalFlag) -> None:
-        config, broker = self.config, self.broker
-        clock = ControlClock(config.scheduler.period_ns, self.clock())
-        health_period = int(config.health.period_s * 1e9)
-        next_health = self.clock() + health_period
-        while not self.stop_event.is_set():
-            if signals.received is not None:  # the handler only records it (see signals.py)
-                log.info("signal %d: stopping", signals.received)
-                return
-            wait = clock.wait_time(self.clock())
-            if wait > 0:
-                self.stop_event.wait(wait / 1e9)  # no handler touches the Event; a signal is seen next tick
-                continue
-            now = self.clock()
-            clock.tick(now)
-            out = broker.next(clock.scheduled_ns)  # steps count on the tick grid, not the jittered wake-up
-            self.transport.publish_action(encode_action(
-                seq=self.seq, stamp_ns=now, frame_seq=out.frame_seq, frame_stamp_ns=out.frame_stamp_ns,
-                status=out.status.value, level=self._level(out.level),
-                action=out.action.tolist(), chunk=[] if out.chunk is None else out.chunk.tolist(),
-                timing_ms=dict(out.timing_ms or {}), tokens_refreshed=out.tokens_refreshed,
-                reuse_ratio=out.reuse_ratio,
-            ))
-            self.seq += 1
-            if now >= next_health:
-                self.transport.publish_health(encode_health(self.health(now, clock), stamp_ns=now))
-                next_health = now + health_period
-
-    def _level(self, chunk_level: int | None) -> int:
-        """The level a tick reports: its chunk's (or the withdrawn one's); before any, the worker's last posted."""
-        if chunk_level is not None:
-            return chunk_level
-        worker, _ = self.broker.status()
-        return 0 if worker is None else worker["level"]
-
-    def health(self, now: int, clock: ControlClock) -> dict:
-        """The health message: the worker's latest posted figures, and the publisher's own. Figures older than the
-        camera timeout (a stalled worker) say no camera is alive: nothing is known to arrive."""
-        worker, worker_ns = self.broker.status()
-        worker = dict(worker or {})
-        reconnects = worker.pop("reconnects", 0)
-        if worker_ns and now - worker_ns > self.config.health.camera_timeout_ms * 1e6:
-            worker["cameras"] = {name: {**cam, "alive": False, "rate_ok": False}
-                                 for name, cam in worker.get("cameras", {}).items()}
-        model = self.config.model
-        return {
-            "uptime_s": round((now - self.started_ns) / 1e9, 3),
-            **worker,
-            "worker_age_ms": round((now - worker_ns) / 1e6, 3) if worker_ns else None,
-            "control": {"ticks": clock.ticks, "missed_ticks": clock.missed_ticks,
-                        "max_jitter_ms": round(clock.max_jitter_ns / 1e6, 3),
-                        "status_counts": {s.value: n for s, n in self.broker.ticks.items()}},
             "rss_bytes": rss_bytes(),
-            "transport": {"reconnects": reconnects, "publish_dropped": self.transport.publish_dropped},
-            "model": model.checkpoint or model.preset, "backend": self.backend.backend,
-            "recipe": self.backend.recipe, "backend_skipped": list(self.backend.skipped),
-            "device": model.device, "dtype": model.resolved_dtype, "weights": model.resolved_weights,
         }

@@ -28,7 +28,8 @@ class Pipeline:
     (`priors`: what the warm-up measured, the scheduler's first cost estimates)."""
 
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns,
-                 warm_up_rounds: int = 2, backend: BackendChoice | None = None, launch: str | None = None) -> None:
+                 warm_up_rounds: int = 2, backend: BackendChoice | None = None, launch: str | None = None,
+                 broker=None) -> None:
         self.config = config
         self.clock = clock
         device = config.model.device
@@ -47,7 +48,8 @@ class Pipeline:
         self.small = None if small is None else with_faults(small, clock)
         self.instruction = config.model.instruction  # what every policy's text partition holds after the warm-up
         self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
-        self.broker = config.scheduler.broker(c.action_horizon, c.action_dims)
+        # where chunks go: the node's publisher (its link), else a chunk broker of its own (tests, benchmarks)
+        self.broker = broker if broker is not None else config.scheduler.broker(c.action_horizon, c.action_dims)
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True, "smaller_engine": small is not None,
                     "chunk": c.action_horizon > 1}
         self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features)

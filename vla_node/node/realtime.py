@@ -6,8 +6,6 @@ import logging
 import os
 import threading
 
-from vla_node.config import RealtimeConfig
-
 log = logging.getLogger(__name__)
 
 
@@ -20,33 +18,18 @@ def rss_bytes() -> int:
         return 0
 
 
-def apply_realtime(rt: RealtimeConfig) -> None:
-    """CPU affinity and SCHED_FIFO for the process, where permitted; a warning where not."""
-    if rt.cpu_affinity:
+def apply_affinity(cpus) -> None:
+    """CPU affinity for this process, where permitted; a warning where not (SCHED_FIFO: node/publisher.py)."""
+    if cpus:
         try:
-            os.sched_setaffinity(0, set(rt.cpu_affinity))
+            os.sched_setaffinity(0, set(cpus))
         except (OSError, AttributeError) as e:
-            log.warning("cpu_affinity %s not applied: %s", rt.cpu_affinity, e)
-    if rt.sched_fifo_priority:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt.sched_fifo_priority))
-        except (OSError, AttributeError) as e:
-            log.warning("SCHED_FIFO priority %d not applied (needs CAP_SYS_NICE or an rtprio limit): %s",
-                        rt.sched_fifo_priority, e)
-
-
-def drop_realtime_priority() -> None:
-    """This thread back to SCHED_OTHER: a thread started after apply_realtime inherits SCHED_FIFO, and under
-    SCHED_FIFO a thread cannot preempt another of the same priority, so inference would delay the control ticks."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    except (OSError, AttributeError) as e:
-        log.warning("the worker thread keeps the realtime priority (SCHED_OTHER not applied: %s)", e)
+            log.warning("cpu_affinity %s not applied: %s", cpus, e)
 
 
 def lower_thread_priority(nice: int) -> None:
     """Raise this thread's nice value by `nice` (Linux: a thread id takes PRIO_PROCESS; no privilege needed to
-    lower one's own priority): under CFS the publisher thread, at the process's nice value, then preempts it when
+    lower one's own priority): under CFS the publisher process, at the node's own nice value, then preempts it when
     its tick is due instead of waiting for a core."""
     if nice <= 0:
         return

@@ -113,6 +113,11 @@ class ChunkBroker:
         self.replaced_unpublished = 0         # fresh chunks replaced before any tick published them
         self.ticks = {status: 0 for status in TickStatus}
 
+    @property
+    def fallback_action(self) -> np.ndarray:
+        """The safe action [D] (read-only)."""
+        return self._fallback
+
     def offer(self, chunk: np.ndarray, frame_seq: int, frame_stamp_ns: int, produced_ns: int, level: int,
               timing_ms: Mapping[str, float] | None = None, deadline_ns: int | None = None,
               tokens_refreshed: int | None = None, reuse_ratio: float | None = None) -> bool:

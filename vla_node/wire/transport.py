@@ -161,13 +161,15 @@ class _HandshakeWatch:
 
 
 class NodeTransport:
-    """The node's four sockets: frame and command SUBs (connect), action and health PUBs (bind).
+    """The node's four sockets: frame and command SUBs (connect), action and health PUBs (bind). The node's
+    worker process opens the input side (`outputs=False`), its publisher process the output side (`inputs=False`).
 
     Call poll() or drain_*() every tick, even when idle: after a client restarts (or fails CURVE
     authentication once) libzmq re-sends the SUB's subscriptions only when the owning thread touches the
     socket, so a node that never touches its SUBs would never see the new client's frames."""
 
-    def __init__(self, config: TransportConfig, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, config: TransportConfig, ctx: zmq.Context | None = None, *, inputs: bool = True,
+                 outputs: bool = True) -> None:
         self.config = config
         self._owns_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
@@ -178,25 +180,30 @@ class NodeTransport:
         self._watched: list[_HandshakeWatch] = []
         try:
             curve = self._start_curve() if config.curve_keys_dir else None
-            self.frames_sub = self._open(zmq.SUB, config.frames, curve, bind=False)
-            self.frames_sub.setsockopt(zmq.SUBSCRIBE, FRAME_TOPIC_PREFIX)
-            self.commands_sub = self._open(zmq.SUB, config.commands, curve, bind=False)
-            for topic in COMMAND_TOPICS:
-                self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
-            self.actions_pub = self._open(zmq.PUB, config.actions, curve, bind=True)
-            self.health_pub = self._open(zmq.PUB, config.health, curve, bind=True)
-            if curve is not None:
-                self._watched = [_HandshakeWatch(sub, address) for sub, address in
-                                 ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
+            if outputs:  # bound first: an address in use fails before the SUBs connect anywhere
+                self.actions_pub = self._open(zmq.PUB, config.actions, curve, bind=True)
+                self.health_pub = self._open(zmq.PUB, config.health, curve, bind=True)
+            if inputs:
+                self.frames_sub = self._open(zmq.SUB, config.frames, curve, bind=False)
+                self.frames_sub.setsockopt(zmq.SUBSCRIBE, FRAME_TOPIC_PREFIX)
+                self.commands_sub = self._open(zmq.SUB, config.commands, curve, bind=False)
+                for topic in COMMAND_TOPICS:
+                    self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
+                if curve is not None:
+                    self._watched = [_HandshakeWatch(sub, address) for sub, address in
+                                     ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
         except BaseException:
             self.close()
             raise
         self._poller = zmq.Poller()
-        self._poller.register(self.frames_sub, zmq.POLLIN)
-        self._poller.register(self.commands_sub, zmq.POLLIN)
-        log.info("node transport: frames <- %s, commands <- %s, actions -> %s, health -> %s, curve %s",
-                 config.frames, config.commands, config.actions, config.health,
-                 "on" if curve else "off")
+        if inputs:
+            self._poller.register(self.frames_sub, zmq.POLLIN)
+            self._poller.register(self.commands_sub, zmq.POLLIN)
+            log.info("node transport: frames <- %s, commands <- %s, curve %s", config.frames, config.commands,
+                     "on" if curve else "off")
+        if outputs:
+            log.info("node transport: actions -> %s, health -> %s, curve %s", config.actions, config.health,
+                     "on" if curve else "off")
 
     def _start_curve(self) -> tuple[bytes, bytes]:
         keys_dir = self.config.curve_keys_dir
