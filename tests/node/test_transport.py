@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import stat
@@ -300,6 +301,19 @@ def test_second_binder_on_the_same_address_fails() -> None:
     with NodeTransport(config):
         with pytest.raises(OSError, match="cannot bind"):
             NodeTransport(config)
+
+
+def test_ipc_socket_files_are_owner_only(tmp_path: Path) -> None:
+    """Both ends' bound ipc files are 0600 whatever the umask: no other local user connects to them."""
+    paths = {key: tmp_path / key for key in ("frames", "commands", "actions", "health")}
+    config = TransportConfig(**{key: f"ipc://{path}" for key, path in paths.items()})
+    previous = os.umask(0)  # the most permissive umask: files would be created 0777
+    try:
+        with NodeTransport(config), Client(config):
+            modes = {key: stat.S_IMODE(path.stat().st_mode) for key, path in paths.items()}
+    finally:
+        os.umask(previous)
+    assert modes == dict.fromkeys(paths, 0o600)
 
 
 def free_tcp_ports(n: int) -> list[int]:

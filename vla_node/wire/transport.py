@@ -130,6 +130,18 @@ def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
         sock.setsockopt(zmq.IPV6, 1)
 
 
+def _bind(sock: zmq.Socket, address: str, who: str) -> None:
+    """Bind; an ipc socket file is then made owner-only (0600): no other local user can connect to it. (An
+    abstract ipc name, ipc://@name, has no file: any local process may connect; use CURVE to admit only keys.)"""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        raise OSError(f"cannot bind {address!r}: {e} (is another {who} running there?)") from e
+    path = address.removeprefix("ipc://")
+    if address.startswith("ipc://") and not path.startswith("@"):
+        os.chmod(path, 0o600)
+
+
 class _HandshakeWatch:
     """A connecting socket and a monitor of its failed handshakes; heal() connects it again when one failed."""
 
@@ -228,10 +240,7 @@ class NodeTransport:
             sock.curve_publickey, sock.curve_secretkey = curve
             sock.curve_server = True
         if bind:
-            try:
-                sock.bind(address)
-            except zmq.ZMQError as e:
-                raise OSError(f"cannot bind {address!r}: {e} (is another node running there?)") from e
+            _bind(sock, address, "node")
         else:
             sock.connect(address)
         return sock
@@ -373,10 +382,7 @@ class Client:
         if curve is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
         if bind:
-            try:
-                sock.bind(address)
-            except zmq.ZMQError as e:
-                raise OSError(f"cannot bind {address!r}: {e} (is another client running there?)") from e
+            _bind(sock, address, "client")
         else:
             sock.connect(address)
         return sock
