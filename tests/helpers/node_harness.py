@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -144,10 +144,15 @@ class NodeUnderTest:
     def set_delay(self, stage: str, ms: float) -> None:
         """Make the node sleep `ms` in `stage` (0: no delay). The file is replaced atomically; the node re-reads
         it at most every 50 ms."""
+        self.set_faults(f"{stage} {ms:g}")
+
+    def set_faults(self, *lines: str) -> None:
+        """Replace the node's test-only faults, one line per stage (vla_node/node/faults.py): "vision 300" (a delay),
+        "vision stall 1500" (a hung engine, mid-step), "action raise" (a failing engine); no line: no fault."""
         if self.delay_file is None:
             raise RuntimeError("this node was started without stage_delay=True")
         tmp = self.delay_file.with_suffix(".tmp")
-        tmp.write_text(f"{stage} {ms:g}\n")
+        tmp.write_text("".join(line + "\n" for line in lines))
         os.replace(tmp, self.delay_file)
 
     # --- client ---------------------------------------------------------------------------------------------
@@ -196,10 +201,13 @@ class NodeUnderTest:
 
     def stream(self, seconds: float, fps: float = 10.0, until: Callable[[Received], bool] | None = None,
                image: Callable[[], np.ndarray] | None = None,
-               events: list[tuple[float, Callable[[], None]]] = ()) -> tuple[list[Received], dict[int, int]]:
+               events: list[tuple[float, Callable[[], None]]] = (),
+               cameras: Sequence[str] = ("front",)) -> tuple[list[Received], dict[int, int]]:
         """Publish frames at `fps` for `seconds` (or until `until(action)` is true) while collecting every
-        action; `events`: (seconds from the start, function) called once that time has come.
-        Returns (actions in arrival order, {frame seq: stamp_ns} sent)."""
+        action; `events`: (seconds from the start, function) called once that time has come. `cameras`: the
+        cameras sent a frame each period, read every period (an event may change the list), the first (the
+        primary) sent last so that its frame finds the others' there. Returns (actions in arrival order,
+        {frame seq: stamp_ns} sent)."""
         pending = sorted(events, key=lambda e: e[0])
         actions: list[Received] = []
         sent: dict[int, int] = {}
@@ -216,8 +224,9 @@ class NodeUnderTest:
                 pending.pop(0)[1]()
                 continue
             if now >= next_frame:
-                seq, stamp = self.send_frame(None if image is None else image())
-                sent[seq] = stamp
+                for camera in reversed(list(cameras)):
+                    seq, stamp = self.send_frame(None if image is None else image(), camera)
+                    sent[seq] = stamp
                 next_frame += period
                 continue
             wake = min(next_frame, end, start + int(pending[0][0] * 1e9) if pending else end)
@@ -334,10 +343,10 @@ class NodeUnderTest:
 @contextlib.contextmanager
 def running_node(launch: Path = TINY_LAUNCH, log_dir: Path | None = None, *, env: dict[str, str] | None = None,
                  stage_delay: bool = False, handshake_s: float | None = 90.0,
-                 **client_kwargs: Any) -> Iterator[NodeUnderTest]:
-    """Start a node on private addresses and a client bound there; handshake (unless handshake_s is None,
-    then no client is made: call node.connect); always stop the node and close the client at exit.
-    stage_delay: enable the node's test-only stage delay (node.set_delay), initially none."""
+                 addresses: TransportConfig | None = None, **client_kwargs: Any) -> Iterator[NodeUnderTest]:
+    """Start a node on private addresses (or `addresses`) and a client bound there; handshake (unless handshake_s
+    is None, then no client is made: call node.connect); always stop the node and close the client at exit.
+    stage_delay: enable the node's test-only faults (node.set_delay, node.set_faults), initially none."""
     log_dir = Path(tempfile.mkdtemp(prefix="vla-node-test-")) if log_dir is None else Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     name = f"node-{uuid.uuid4().hex[:8]}"
@@ -346,7 +355,7 @@ def running_node(launch: Path = TINY_LAUNCH, log_dir: Path | None = None, *, env
         delay_file = log_dir / f"{name}.delay"
         delay_file.write_text("vision 0\n")
         env = {**(env or {}), DELAY_ENV: str(delay_file)}
-    process = NodeProcess(launch, private_addresses(), log_dir / f"{name}.log", env)
+    process = NodeProcess(launch, addresses or private_addresses(), log_dir / f"{name}.log", env)
     node = NodeUnderTest(process, None, delay_file)
     try:
         if handshake_s is not None:

@@ -1,12 +1,22 @@
-"""The test-only fault wrapper: off without its environment variable, loud with it, and each injected delay in
-its own stage only."""
+"""The test-only fault wrapper: off without its environment variable, loud with it, each injected delay in its own
+stage only, stalls and raises mid-step (at the stage's first budget check after some work), bad lines named."""
 
 from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
 
-from vla_node.node.faults import DELAY_FILE_ENV, FaultyPolicy, StageDelay, with_faults
+import pytest
+
+from vla_node.node.faults import (
+    DELAY_FILE_ENV,
+    Fault,
+    FaultFile,
+    FaultyPolicy,
+    InjectedFault,
+    parse_faults,
+    with_faults,
+)
 
 
 class Policy:
@@ -47,7 +57,7 @@ def test_each_delay_applies_to_its_stage_and_is_reread_while_running(tmp_path, m
     path = tmp_path / "delay"
     path.write_text("vision 30\n")
     policy = Policy()
-    wrapped = FaultyPolicy(policy, StageDelay(path, clock=lambda: now[0]))
+    wrapped = FaultyPolicy(policy, FaultFile(path, clock=lambda: now[0]))
     wrapped.update_text("go")
     wrapped.action_tick(None)
     assert slept == [] and policy.calls == ["text", "action"]
@@ -64,3 +74,89 @@ def test_each_delay_applies_to_its_stage_and_is_reread_while_running(tmp_path, m
     now[0] += 60_000_000
     wrapped.action_tick(None)  # an unreadable file: no delay
     assert slept == [0.03, 0.03, 0.005]
+
+
+class SteppedPolicy:
+    """A stage of two pieces with a budget check before each (fractions 0 and 0.5), as the real stages check
+    between layers; records every event in order."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def _stage(self, name, check):
+        for i, fraction in enumerate((0.0, 0.5)):
+            if check is not None and not check(fraction):
+                self.events.append(f"{name} stopped")
+                return "stopped"
+            self.events.append(f"{name} piece {i}")
+        return name
+
+    def update_text(self, instruction, check=None):
+        return self._stage("text", check)
+
+    def update_vision(self, images, tokens=None, scene_cut=False, check=None, state=None):
+        self._stage("vision", check)
+        return SimpleNamespace(chunk=None if state is None else "chunk")
+
+    def action_tick(self, state, check=None):
+        return self._stage("action", check)
+
+
+def faulty(tmp_path, monkeypatch, text: str) -> tuple[FaultyPolicy, list]:
+    events: list = []
+    monkeypatch.setattr("vla_node.node.faults.time.sleep", lambda s: events.append(f"sleep {s:g}"))
+    path = tmp_path / "faults"
+    path.write_text(text)
+    return FaultyPolicy(SteppedPolicy(events), FaultFile(path, clock=lambda: 0)), events
+
+
+def test_a_stall_sleeps_mid_step_and_the_stage_sees_its_budget_check_after_it(tmp_path, monkeypatch):
+    wrapped, events = faulty(tmp_path, monkeypatch, "vision stall 1500\n")
+    checks = []
+    wrapped.update_vision(None, check=lambda f: checks.append(f) or f < 0.5)  # the budget is spent by the stall
+    assert events == ["vision piece 0", "sleep 1.5", "vision stopped"] and checks == [0.0, 0.5]
+    assert wrapped.action_tick(None) == "action" and events[-2:] == ["action piece 0", "action piece 1"]
+
+
+def test_a_raise_strikes_mid_step_and_names_the_stage(tmp_path, monkeypatch):
+    wrapped, events = faulty(tmp_path, monkeypatch, "text 0\naction raise\n")
+    assert wrapped.update_text("go") == "text"
+    with pytest.raises(InjectedFault, match="TEST-ONLY injected fault: the action stage raised mid-step"):
+        wrapped.action_tick(None, check=lambda f: True)
+    assert events == ["text piece 0", "text piece 1", "action piece 0"]  # the first piece ran, not the second
+
+
+def test_a_tick_decoded_in_the_vision_pass_suffers_the_action_fault_after_the_pass(tmp_path, monkeypatch):
+    wrapped, events = faulty(tmp_path, monkeypatch, "action raise")
+    wrapped.update_vision(None)  # no tick in the pass: no action fault
+    with pytest.raises(InjectedFault, match="action stage"):
+        wrapped.update_vision(None, state=[0.0])
+    assert events == ["vision piece 0", "vision piece 1"] * 2
+
+
+def test_a_stage_without_a_budget_check_after_work_suffers_the_fault_after_its_call(tmp_path, monkeypatch):
+    wrapped, events = faulty(tmp_path, monkeypatch, "text stall 20")
+
+    class OnePiece(SteppedPolicy):
+        def update_text(self, instruction, check=None):
+            self.events.append("text whole")
+
+    wrapped.wrapped = OnePiece(events)
+    wrapped.update_text("go")
+    assert events == ["text whole", "sleep 0.02"]
+
+
+@pytest.mark.parametrize("line", ["vision", "vision stall", "vision stall -1", "vision stall inf", "vision hang 5",
+                                  "tower raise", "vision raise now", "vision 1 2"])
+def test_a_bad_fault_line_is_named_and_means_no_fault(tmp_path, monkeypatch, caplog, line):
+    with pytest.raises(ValueError, match=f"line 2 '{line}': expected"):
+        parse_faults(f"text 5\n{line}\n")
+    wrapped, events = faulty(tmp_path, monkeypatch, f"text 5\n{line}\n")
+    with caplog.at_level(logging.WARNING):
+        wrapped.update_text("go")
+    assert events == ["text piece 0", "text piece 1"] and "TEST-ONLY FAULT FILE" in caplog.text
+
+
+def test_fault_lines_parse_one_per_stage():
+    assert parse_faults("vision 30\n\ntext stall 2.5\naction raise\n") == {
+        "vision": Fault("delay", 30.0), "text": Fault("stall", 2.5), "action": Fault("raise")}

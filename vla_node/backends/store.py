@@ -6,18 +6,24 @@ the kernels it runs). A folder holds the engine's files and `manifest.json` (the
 SHA-256); a folder whose manifest is missing, unreadable, of another key, or whose files do not match their hashes
 (corrupt, truncated) is treated as missing: rebuilt, or with building refused, a one-line error naming the command
 that builds it. A build writes into a temporary folder and renames it into place, so a crash mid-build leaves no
-half-written engine behind.
+half-written engine behind. Builds hold the store's lock (an flock on its folder, which the kernel drops with the
+process): two processes never build the same engine at once, and under the lock a temporary folder is one a killed
+build left behind, removed before the next build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,6 +32,8 @@ from vla_node.backends.folders import replaced_folder, sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+# folders.replaced_folder's temporary folders: "." + the engine folder's name + "-" + mkdtemp's 8 characters
+_BUILDING = re.compile(r"\.[^/]+-[0-9a-f]{16}-[a-z0-9_]{8}")
 
 
 class EngineStoreError(RuntimeError):
@@ -118,13 +126,41 @@ class EngineStore:
         if build is None:
             raise EngineStoreError(f"no usable {key.step} engine ({key.recipe}, {key.backend}) in {folder}: "
                                    f"{problem}; build it with `{build_command}`")
-        if problem != "not built":
-            log.warning("engine %s: %s; rebuilding", folder, problem)
-        with replaced_folder(folder) as tmp:
-            build(tmp)
-            files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            if not files:
-                raise EngineStoreError(f"building the {key.step} engine ({key.recipe}) wrote no file")
-            manifest = {"key": dataclasses.asdict(key), "files": files}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        with self._build_lock():
+            self._remove_abandoned()
+            problem = self.problem(key)  # another process may have built it while this one waited for the lock
+            if problem is None:
+                return folder
+            if problem != "not built":
+                log.warning("engine %s: %s; rebuilding", folder, problem)
+            with replaced_folder(folder) as tmp:
+                build(tmp)
+                files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+                if not files:
+                    raise EngineStoreError(f"building the {key.step} engine ({key.recipe}) wrote no file")
+                manifest = {"key": dataclasses.asdict(key), "files": files}
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         return folder
+
+    @contextlib.contextmanager
+    def _build_lock(self) -> Iterator[None]:
+        """The store's build lock: an exclusive flock on its folder (nothing written for it), across processes, and
+        released by the kernel when this process dies, however."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("engine store %s: another process is building; waiting for it", self.root)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _remove_abandoned(self) -> None:
+        """Remove the temporary folders of builds that did not finish (killed): with the lock held, no build runs."""
+        for path in self.root.iterdir():
+            if path.is_dir() and _BUILDING.fullmatch(path.name):
+                log.warning("engine store: removing %s, left by a build that did not finish", path)
+                shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,10 @@ receives and hands the parts to a bounded queue; a writer thread validates each 
 against wire protocol v1 and writes it with DriveWriter (frames as sent, JPEG stays JPEG; the rest as their
 header maps). A full queue drops the message and counts it, so a slow disk never stalls the receive loop.
 Recording ends after duration_s, on Ctrl-C (SIGINT) or SIGTERM, or when stop_event is set; the drive is
-finished (MCAP summary written) in every case and a summary is printed.
+finished (MCAP summary written) in every case and a summary is printed. When the drive cannot be written on (the
+disk full: ENOSPC, EFBIG past a file size limit, EDQUOT) the recording stops: the file is cut at the end of its
+last complete record and ended there (DataEnd and a footer without summary, which readers read linearly), so that
+everything written before the failure reads back; the summary says so and record() raises RecordingStopped.
 
 The drive replays with `vla_node.drives.replay.replay`: its frames and commands are sent again, the recorded
 actions and health stay in the file for comparison.
@@ -17,10 +20,12 @@ actions and health stay in the file for comparison.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import queue
 import signal
+import struct
 import threading
 import time
 from collections import Counter
@@ -28,8 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import zmq
+from mcap.data_stream import RecordBuilder
+from mcap.opcode import Opcode
+from mcap.reader import make_reader
+from mcap.records import DataEnd, Footer
 
-from vla_node.drives.open import DriveWriter
+from vla_node.drives.common import MCAP_MAGIC
+from vla_node.drives.open import DriveError, DriveWriter
 from vla_node.progress import Progress
 from vla_node.validate import ConfigError, is_number, require
 from vla_node.wire.codec import CodecError, unpack
@@ -55,6 +65,8 @@ ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 QUEUE_SIZE = 256  # messages between the receive loop and the writer (about 8 s of 30 Hz frames)
 FRAME_KEYS = frozenset({"v", "seq", "stamp_ns", "camera", "encoding", "height", "width"})
 _STOP = object()
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_RECORD_HEAD = struct.Struct("<BQ")  # an MCAP record's opcode and body length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +80,7 @@ class RecordSummary:
     rejected: Mapping[str, int]
     first_reject: str | None
     bytes: int
+    stopped: str | None = None  # why the recording ended early (the disk full), and what the drive holds
 
     def line(self) -> str:
         w = self.written
@@ -78,7 +91,18 @@ class RecordSummary:
             text += f"; dropped (writer behind): {dict(self.dropped)}"
         if any(self.rejected.values()):
             text += f"; rejected (malformed): {dict(self.rejected)}, first: {self.first_reject}"
+        if self.stopped:
+            text += f"; STOPPED EARLY: {self.stopped}"
         return text
+
+
+class RecordingStopped(DriveError):
+    """The drive could not be written on (the disk full): the recording stopped early, the drive keeps what was
+    written before (it reads back) and `summary` says what it holds."""
+
+    def __init__(self, message: str, summary: RecordSummary) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 def _frame_fields(parts: list[bytes], limits: ProtocolLimits) -> dict[str, Any]:
@@ -109,8 +133,9 @@ def _frame_fields(parts: list[bytes], limits: ProtocolLimits) -> dict[str, Any]:
 
 
 class DriveSink(threading.Thread):
-    """The writer thread: queue -> validation -> DriveWriter. Malformed messages are counted per kind; any
-    other failure stops the thread and is re-raised by the recorder."""
+    """The writer thread: queue -> validation -> DriveWriter. Malformed messages are counted per kind; a disk that
+    takes no more (DISK_FULL) stops the thread with the drive cut at its last complete record (`stopped` says
+    so); any other failure stops the thread and is re-raised by the recorder."""
 
     def __init__(self, path: Path, limits: ProtocolLimits, queue_size: int) -> None:
         super().__init__(name="vla-record-writer", daemon=True)
@@ -120,9 +145,12 @@ class DriveSink(threading.Thread):
         self.rejected: Counter[str] = Counter()
         self.first_reject: str | None = None
         self.error: BaseException | None = None
+        self.stopped: str | None = None
         self.writer = DriveWriter(path)  # opened here: a bad path fails before anything is received
 
     def run(self) -> None:
+        full: OSError | None = None
+        ends: list[int] = []
         try:
             while True:
                 item = self.items.get()
@@ -135,10 +163,39 @@ class DriveSink(threading.Thread):
                 except (ProtocolError, CodecError) as e:
                     self.rejected[kind] += 1
                     self.first_reject = self.first_reject or f"{kind}: {e}"
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                self.error = e
+                return
+            full, ends = e, record_ends(self.path)  # before anything else is written after the failure
         except BaseException as e:  # re-raised by record()
             self.error = e
         finally:
+            self._close(full, ends)
+
+    def _close(self, full: OSError | None, ends: list[int]) -> None:
+        """Finish the drive; when the disk is (or becomes, at finishing) full, end it at its last complete record."""
+        try:
             self.writer.close()
+        except OSError as e:
+            if e.errno not in DISK_FULL or self.error is not None:
+                self.error = self.error or e
+                return
+            full, ends = full or e, ends or record_ends(self.path)
+        if full is None:
+            return
+        try:
+            kept = end_drive_at(self.path, ends)
+        except OSError as e:
+            self.error = DriveError(f"{self.path}: the disk is full ({full}) and the drive could not be ended "
+                                    f"readably ({e}); it holds no readable message")
+            return
+        handed = sum(self.written.values())
+        self.written = kept_messages(self.path)
+        lost = handed - sum(self.written.values())
+        self.stopped = (f"disk full ({full}) after {kept / 1e6:.1f} MB: the drive is cut at its last complete record "
+                        f"and reads back with every message written before it; {lost} message(s) received after "
+                        "it are not in it")
 
     def _write(self, kind: str, parts: list[bytes]) -> None:
         w, limits = self.writer, self.limits
@@ -157,6 +214,67 @@ class DriveSink(threading.Thread):
         else:
             msg = decode_health(parts, limits)
             w.add_message("health", msg["stamp_ns"], msg)
+
+
+def record_ends(path: Path) -> list[int]:
+    """The end offset of every complete top-level MCAP record of `path`, up to its first partial record (a write
+    that failed halfway) or its DataEnd (the summary section after it is dropped too); [] without MCAP magic."""
+    ends: list[int] = []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if f.read(len(MCAP_MAGIC)) != MCAP_MAGIC:
+            return ends
+        offset = len(MCAP_MAGIC)
+        while offset + _RECORD_HEAD.size <= size:
+            f.seek(offset)
+            opcode, length = _RECORD_HEAD.unpack(f.read(_RECORD_HEAD.size))
+            end = offset + _RECORD_HEAD.size + length
+            if opcode in (Opcode.DATA_END, Opcode.FOOTER) or end > size:
+                break
+            ends.append(end)
+            offset = end
+    return ends
+
+
+def _ending() -> bytes:
+    """DataEnd (no data CRC) and a footer without summary, then the closing magic: readers then read linearly."""
+    builder = RecordBuilder()
+    DataEnd(data_section_crc=0).write(builder)
+    Footer(summary_start=0, summary_offset_start=0, summary_crc=0).write(builder)
+    return builder.end() + MCAP_MAGIC
+
+
+def end_drive_at(path: Path, ends: list[int]) -> int:
+    """Cut `path` at the last of `ends` (record_ends) and end it there; where the ending does not fit (the disk
+    still full), at the record before, and so on. Returns the size kept; OSError when not even the header fits.
+    Unbuffered: a write that failed leaves nothing queued for the next try."""
+    ending = _ending()
+    failure: OSError = OSError(errno.EINVAL, f"{path}: no complete MCAP header")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for end in reversed(ends):
+            os.ftruncate(fd, end)
+            try:
+                written = os.pwrite(fd, ending, end)
+                if written == len(ending):
+                    os.fsync(fd)
+                    return end + written
+                failure = OSError(errno.ENOSPC, f"{path}: {written} of the ending's {len(ending)} bytes written")
+            except OSError as e:
+                failure = e
+        raise failure
+    finally:
+        os.close(fd)
+
+
+def kept_messages(path: Path) -> Counter[str]:
+    """Messages per kind (frames, commands, actions, health) that `path` holds, read with the mcap library."""
+    kinds = {"instruction": "commands", "state": "commands", "action": "actions", "health": "health"}
+    counts: Counter[str] = Counter()
+    with open(path, "rb") as f:
+        for _, channel, _ in make_reader(f).iter_messages(log_time_order=False):
+            counts["frames" if channel.topic.startswith("frame/") else kinds.get(channel.topic, channel.topic)] += 1
+    return counts
 
 
 def _open_sub(ctx: zmq.Context, config: NodeConfig, address: str, topics: tuple[bytes, ...]) -> zmq.Socket:
@@ -185,7 +303,9 @@ def record(
 ) -> RecordSummary:
     """Record frames, commands, actions and health at the launch file's addresses (default launch/cpu.toml;
     `addresses` overrides any of frames/commands/actions/health) into the native drive `out` until duration_s,
-    Ctrl-C/SIGTERM or stop_event. Refuses to overwrite an existing file (FileExistsError)."""
+    Ctrl-C/SIGTERM or stop_event. Refuses to overwrite an existing file (FileExistsError). When the disk is full the
+    recording stops, the drive keeps what was written (cut at its last complete record) and RecordingStopped says so
+    (its `summary` is the one printed)."""
     require(duration_s is None or (is_number(duration_s, finite=False)
                                    and math.isfinite(duration_s) and duration_s > 0), "duration_s",
             duration_s, "a finite number of seconds > 0, or unset to record until Ctrl-C")
@@ -234,15 +354,28 @@ def record(
             sock.close(linger=0)
         ctx.term()
         if sink is not None:
-            sink.items.put(_STOP)
-            sink.join()
+            _stop_sink(sink)
     if sink.error is not None:
         raise sink.error
     summary = RecordSummary(path=path, duration_s=time.monotonic() - start, written=dict(sink.written),
                             dropped={k: dropped[k] for k in ADDRESS_KEYS}, rejected=dict(sink.rejected),
-                            first_reject=sink.first_reject, bytes=path.stat().st_size)
+                            first_reject=sink.first_reject, bytes=path.stat().st_size, stopped=sink.stopped)
     print(summary.line(), flush=True)
+    if sink.stopped:
+        raise RecordingStopped(f"{path}: recording stopped early: {sink.stopped}", summary)
     return summary
+
+
+def _stop_sink(sink: DriveSink) -> None:
+    """Tell the writer to finish and wait for it; a writer that stopped by itself (the disk full) may leave its
+    queue full, so the stop is never waited for on a thread that is gone."""
+    while sink.is_alive():
+        try:
+            sink.items.put(_STOP, timeout=0.1)
+            break
+        except queue.Full:
+            continue
+    sink.join()
 
 
 def _receive(sockets: list[tuple[zmq.Socket, str]], sink: DriveSink, stop: threading.Event,

@@ -4,10 +4,12 @@ No sockets here (the transport drains them); every message is validated, and eve
 counted with its reason. Latest frame wins: an older frame still unprocessed when a newer one arrives is
 counted as dropped.
 
-Stamps are the host's CLOCK_MONOTONIC (the wire protocol's clock for every stamp), so they order messages across sender restarts (a restarted
-client counts its seq from 0 again; its stamps keep growing). A frame or command stamped after the drain that
-received it (beyond FUTURE_TOLERANCE_NS) carries another clock: it is rejected as `future_stamp`, since its age
-could never be judged. The newest instruction and state by (stamp_ns, seq) win; an older one arriving later is
+Stamps are the host's CLOCK_MONOTONIC (the wire protocol's clock for every stamp), so they order messages across
+sender restarts (a restarted client counts its seq from 0 again; its stamps keep growing). A frame or command
+stamped after the drain that received it (beyond FUTURE_TOLERANCE_NS) carries another clock: it is rejected as
+`future_stamp`, since its age could never be judged. A frame stamped at or before its camera's last accepted frame
+(a clock that jumped back, a replayed or duplicated frame) is rejected as `stale_frame`: an older view never
+replaces a newer one. The newest instruction and state by (stamp_ns, seq) win; an older one arriving later is
 rejected as `stale_command`.
 """
 
@@ -79,6 +81,10 @@ class Ingest:
                     continue
                 if candidate.stamp_ns > now_ns + FUTURE_TOLERANCE_NS:
                     self.reject("future_stamp")
+                    continue
+                last = self.current[candidate.camera]
+                if last is not None and candidate.stamp_ns <= last.stamp_ns:
+                    self.reject("stale_frame")
                     continue
                 frame = candidate
                 break

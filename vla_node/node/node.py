@@ -130,6 +130,7 @@ class Node:
             "level": sched.level, "level_name": sched.level_name,
             "scheduler": {k: getattr(sched, k) for k in sched.__dataclass_fields__},
             "frames_processed": pipeline.frames_processed, "frames_skipped": pipeline.frames_skipped,
+            "frames_stale_view": pipeline.frames_stale_view,
             **ingest,
             "instruction": pipeline.instruction,
             "kv_bytes": pipeline.policy.kv_bytes(),

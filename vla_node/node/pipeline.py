@@ -54,14 +54,26 @@ class Pipeline:
                     "chunk": c.action_horizon > 1}
         self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features)
         self.frames_processed = 0
-        self.frames_skipped = 0  # planned stale or at a level that runs no inference
+        self.frames_skipped = 0  # planned stale, at a level that runs no inference, or with a dead camera's view
+        # A camera whose newest frame was captured longer ago than this is dead (health's camera timeout): no
+        # decision is made on its last view; the chunk is withdrawn (the fallback level) until it is back.
+        self.view_max_age_ns = int(config.health.camera_timeout_ms * 1e6)
+        self.fallback_level = next((level.index for level in self.scheduler.levels if level.knobs.force_fallback),
+                                   self.scheduler.top_level)
+        self.frames_stale_view = 0  # frames not run because another camera's view was older than view_max_age_ns
 
     # --- one frame ------------------------------------------------------------------------------------
-    def process(self, frames: list[Frame], instruction: str | None, state: np.ndarray | None) -> FramePlan:
-        """Plan and run the stages for the newest frames; offers the chunk to the broker when one is made."""
+    def process(self, frames: list[Frame], instruction: str | None, state: np.ndarray | None) -> FramePlan | None:
+        """Plan and run the stages for the newest frames (the primary camera's first); offers the chunk to the broker
+        when one is made. None, with the chunk withdrawn, when another camera's view is too old to act on."""
         sched = self.scheduler
         if state is not None:
             self.state = state
+        if self._stale_view(frames, self.clock()):
+            self.broker.withdraw(self.fallback_level)
+            self.frames_stale_view += 1
+            self.frames_skipped += 1
+            return None
         changed = instruction is not None and instruction != self.instruction
         primary = frames[0]
         now = self.clock()
@@ -127,6 +139,11 @@ class Pipeline:
         self.frames_processed += 1
         sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
         return plan
+
+    def _stale_view(self, frames: list[Frame], now: int) -> bool:
+        """Whether a camera other than the primary (whose new frame is the reason to run) last sent a frame captured
+        more than view_max_age_ns ago: a decision on its old view would be presented as fresh."""
+        return any(now - frame.stamp_ns > self.view_max_age_ns for frame in frames[1:])
 
     def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
         """The vision stage: resize to the model input, plan reuse, update; the gates commit with it. When the

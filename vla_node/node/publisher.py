@@ -157,6 +157,10 @@ class Publisher:
         except LinkClosed:
             self.stop_reason, code = "the node process is gone (its link closed)", 1
         now = now_ns()
+        # the last tick is the safe action: after it nothing follows up the chunk (a controller holds what it got last)
+        self.broker.withdraw(self._level(None))
+        clock.tick(now)
+        self.publish_tick(clock.scheduled_ns, now)
         self.transport.publish_health(encode_health({**self.health(now, clock), "stopping": self.stop_reason},
                                                     stamp_ns=now))
         log.log(logging.INFO if code == 0 else logging.ERROR, "publisher stopped: %s", self.stop_reason)
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return publisher.run()
     finally:
-        publisher.transport.close()
+        publisher.transport.close(linger_ms=200)  # the last tick and health message go out
 
 
 if __name__ == "__main__":

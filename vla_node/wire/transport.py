@@ -118,6 +118,7 @@ class TransportConfig:
 # (src/zap_client.cpp:50)").
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 OTHER_TOPICS = b"frame/"  # drain_frame_messages' one group for the topics of cameras not configured
+GIVEN_UP_AFTER_NS = 500_000_000  # disconnected this long without a retry: libzmq gave the endpoint up
 RECONNECT_AFTER_NS = 100_000_000  # at most one reconnect per socket per 100 ms (libzmq's own reconnect interval)
 
 
@@ -147,16 +148,25 @@ class _HandshakeWatch:
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
-        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                               | zmq.EVENT_CONNECTED)
         self.monitor.setsockopt(zmq.LINGER, 0)
         self.failed = False
+        self.dropped_ns: int | None = None  # disconnected at, with no retry or connection seen since
         self.next_ns = 0  # no reconnect before this (monotonic ns)
 
     def heal(self, now_ns: int) -> bool:
         """Read the monitor's events; True when the socket was connected again."""
         while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no exception per call in the node's loop
-            self.monitor.recv_multipart()  # [event id + value, endpoint]: any of them is a failure
-            self.failed = True
+            event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")  # [event id + value, endpoint]
+            if event == _HANDSHAKE_FAILED:
+                self.failed = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.dropped_ns = now_ns
+            else:  # connected again, or libzmq retrying by itself (a peer that went away)
+                self.dropped_ns = None
+        if self.dropped_ns is not None and now_ns - self.dropped_ns >= GIVEN_UP_AFTER_NS:
+            self.failed, self.dropped_ns = True, None  # a protocol error (a part past ZMQ_MAXMSGSIZE): no retry
         if not self.failed or now_ns < self.next_ns:
             return False
         try:
@@ -201,9 +211,8 @@ class NodeTransport:
                 self.commands_sub = self._open(zmq.SUB, config.commands, curve, bind=False)
                 for topic in COMMAND_TOPICS:
                     self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
-                if curve is not None:
-                    self._watched = [_HandshakeWatch(sub, address) for sub, address in
-                                     ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
+                self._watched = [_HandshakeWatch(sub, address) for sub, address in
+                                 ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
         except BaseException:
             self.close()
             raise
@@ -255,8 +264,8 @@ class NodeTransport:
             for watched in self._watched:
                 if watched.heal(now):
                     self.reconnects += 1
-                    log.warning("CURVE handshake failed on %s (a peer without an allowed key?): connected again",
-                                watched.address)
+                    log.warning("the connection to %s failed (a CURVE handshake, or a message past "
+                                "max_message_bytes): connected again", watched.address)
         return ready
 
     def drain_frame_messages(self, topics: Collection[bytes] | None = None, max_messages: int = 1000, keep: int = 3
@@ -312,12 +321,13 @@ class NodeTransport:
     def publish_health(self, parts: list) -> None:
         self._send(self.health_pub, parts)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; `linger_ms`: how long queued messages may still go out (the last health message)."""
         for watched in self._watched:
             watched.close()
         self._watched = []
         for sock in self._sockets:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         self._sockets = []
         if self._auth is not None:
             self._auth.stop()
