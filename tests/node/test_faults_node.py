@@ -355,6 +355,24 @@ def test_an_engine_that_stalls_past_its_deadline_ticks_on_then_recovers(shared):
     assert action["level"] == 0, action
 
 
+# --- the worker holding the interpreter lock (a large frame's copy or decode in one C call) ---------------------
+def test_a_worker_holding_the_interpreter_lock_never_delays_a_tick(shared):
+    """Every frame's vision stage first holds the interpreter lock for about 100 ms (five control periods). The
+    publisher is a process of its own, so it ticks on: no tick skipped or lost. (With the publisher a thread of the
+    worker's process, every such frame skipped about five ticks.)"""
+    node = shared
+    node.queued_health()
+    before = node.health()
+    node.drain_actions()
+    actions, _ = node.stream(3.0, events=[(0.2, lambda: node.set_faults("vision hold 100"))])
+    node.set_faults()
+    counts = all_ticks_published(actions, 3.0)
+    assert counts["skipped"] == 0 and counts["jitter_ms"]["max"] < PERIOD_NS / 1e6, counts
+    after = node.health()
+    assert after["frames_processed"] >= before["frames_processed"] + 5, after  # the holds did run, frame by frame
+    assert after["control"]["missed_ticks"] == before["control"]["missed_ticks"], after["control"]
+
+
 # --- fault 1: an engine that raises mid-step --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def raised(tmp_path_factory):

@@ -4,6 +4,8 @@ stage only, stalls and raises mid-step (at the stage's first budget check after 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from vla_node.node.faults import (
     FaultFile,
     FaultyPolicy,
     InjectedFault,
+    hold_interpreter,
     parse_faults,
     with_faults,
 )
@@ -160,3 +163,26 @@ def test_a_bad_fault_line_is_named_and_means_no_fault(tmp_path, monkeypatch, cap
 def test_fault_lines_parse_one_per_stage():
     assert parse_faults("vision 30\n\ntext stall 2.5\naction raise\n") == {
         "vision": Fault("delay", 30.0), "text": Fault("stall", 2.5), "action": Fault("raise")}
+
+
+def test_a_hold_keeps_the_interpreter_lock_from_every_other_thread():
+    """'<stage> hold <ms>': one C call that never releases the lock, so a thread that wants to run Python in the
+    meantime runs only after it (time.sleep would have let it run)."""
+    assert parse_faults("vision hold 40\n") == {"vision": Fault("hold", 40.0)}
+    hold_interpreter(40)  # measured and built once
+    ran_at: list[int] = []
+    ready = threading.Event()
+
+    def other() -> None:
+        ready.set()
+        time.sleep(0.005)  # wakes during the hold, then needs the lock
+        ran_at.append(time.perf_counter_ns())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    ready.wait()
+    start = time.perf_counter_ns()
+    hold_interpreter(40)
+    ended = time.perf_counter_ns()
+    thread.join()
+    assert ran_at[0] >= ended - 1_000_000 and ended - start >= 20_000_000, (ran_at[0] - start, ended - start)

@@ -11,6 +11,8 @@ scheduler's budget checks sit) as a hung or failing engine would.
                               stage makes no such check
         <stage> raise         each call of the stage raises InjectedFault mid-step, where a stall would sleep (an
                               engine that fails)
+        <stage> hold <ms>     each call of the stage first holds the interpreter lock for about ms: one C call
+                              that never releases it (sorting integers), as a large copy or decode can
 
     The file is re-read at most every 50 ms, so a test changes the faults while the node runs (replace it
     atomically). A missing file means no fault; a file that does not parse means no fault and a warning naming the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,7 +34,7 @@ DELAY_FILE_ENV = "VLA_NODE_TEST_DELAY_FILE"
 FAULT_FILE_ENV = DELAY_FILE_ENV  # the same variable: it names the file of every fault kind
 REREAD_NS = 50_000_000
 STAGES = ("text", "vision", "action")
-KINDS = ("delay", "stall", "raise")
+KINDS = ("delay", "stall", "raise", "hold")
 
 
 class InjectedFault(RuntimeError):
@@ -40,8 +43,8 @@ class InjectedFault(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    kind: str        # delay | stall | raise
-    ms: float = 0.0  # delay and stall: how long
+    kind: str        # delay | stall | raise | hold
+    ms: float = 0.0  # delay, stall and hold: how long
 
 
 def parse_faults(text: str) -> dict[str, Fault]:
@@ -57,7 +60,8 @@ def parse_faults(text: str) -> dict[str, Fault]:
 
 
 def _parse_line(words: list[str], where: str) -> tuple[str, Fault]:
-    expected = f"'<stage> <ms>', '<stage> stall <ms>' or '<stage> raise' with a stage from {list(STAGES)}"
+    expected = (f"'<stage> <ms>', '<stage> stall <ms>', '<stage> hold <ms>' or '<stage> raise' with a stage from "
+                f"{list(STAGES)}")
     if words[0] not in STAGES or len(words) not in (2, 3):
         raise ValueError(f"fault file {where}: expected {expected}")
     if words[1:] == ["raise"]:
@@ -67,9 +71,28 @@ def _parse_line(words: list[str], where: str) -> tuple[str, Fault]:
         value = float(ms)
     except ValueError:
         value = -1.0
-    if kind not in ("delay", "stall") or not value >= 0 or value == float("inf"):
+    if kind not in ("delay", "stall", "hold") or not value >= 0 or value == float("inf"):
         raise ValueError(f"fault file {where}: expected {expected} (ms a finite number >= 0)")
     return words[0], Fault(kind, value)
+
+
+_SHUFFLED: dict[float, list[int]] = {}  # per hold time: integers whose sort takes about that long here
+
+
+def hold_interpreter(ms: float) -> None:
+    """Hold the interpreter lock for about ms: sorted() of shuffled integers runs in C and compares ints without
+    running bytecode, so no other thread of this process runs Python meanwhile (time.sleep would release it)."""
+    if ms not in _SHUFFLED:
+        items = list(range(100_000))
+        random.Random(0).shuffle(items)
+        start = time.perf_counter_ns()
+        sorted(items)
+        per_item_ns = (time.perf_counter_ns() - start) / len(items)
+        items = list(range(max(1, int(ms * 1e6 / per_item_ns))))
+        random.Random(1).shuffle(items)
+        _SHUFFLED[ms] = items
+    log.warning("TEST-ONLY injected fault: holding the interpreter lock %g ms", ms)
+    sorted(_SHUFFLED[ms])
 
 
 class FaultFile:
@@ -108,17 +131,19 @@ class FaultFile:
                                                      for s, f in self._faults.items()})
 
     def apply(self, stage: str) -> None:
-        """The stage's delay, if it has one (before the stage starts)."""
+        """The stage's delay or hold, if it has one (before the stage starts)."""
         fault = self.fault(stage)
         if fault is not None and fault.kind == "delay" and fault.ms > 0:
             time.sleep(fault.ms / 1000)
+        elif fault is not None and fault.kind == "hold" and fault.ms > 0:
+            hold_interpreter(fault.ms)
 
     def run(self, stage: str, call: Callable[[Callable[[float], bool]], object], check) -> object:
         """call(check) with the stage's fault: a delay before it, a stall or a raise at its first budget check
         after some work (fraction done > 0), else after it returns."""
         self.apply(stage)
         fault = self.fault(stage)
-        if fault is None or fault.kind == "delay":
+        if fault is None or fault.kind in ("delay", "hold"):
             return call(check)
         fired = [False]
 
@@ -137,7 +162,7 @@ class FaultFile:
         """The stage's fault once the work it belongs to is done (a tick decoded in its frame's vision pass)."""
         self.apply(stage)
         fault = self.fault(stage)
-        if fault is not None and fault.kind != "delay":
+        if fault is not None and fault.kind in ("stall", "raise"):
             self._fire(stage, fault)
 
     def _fire(self, stage: str, fault: Fault) -> None:

@@ -52,6 +52,9 @@ class Node:
         spec = PublisherSpec.for_node(config, config.scheduler.broker(c.action_horizon, c.action_dims),
                                       self.started_ns)
         self.publisher = PublisherLink(asdict(spec))
+        # Then lowered before the input sockets' context starts its I/O thread, which inherits it: receiving a
+        # 1920x1080 frame (6 MB copied) must not delay a tick any more than inference may.
+        lower_thread_priority(config.realtime.worker_nice)
         try:
             self.pipeline = Pipeline(config, clock, broker=self.publisher)
             self.backend = self.pipeline.backend
@@ -71,7 +74,6 @@ class Node:
             gc.collect()
             gc.freeze()
             gc.disable()  # no collection in the loop (as openpilot's realtime processes)
-        lower_thread_priority(rt.worker_nice)
         model = self.config.model
         self.publisher.start({
             "model": model.checkpoint or model.preset, "backend": self.backend.backend,
