@@ -25,6 +25,7 @@ from vla_node.wire.transport import TransportConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"
+MAX_LAUNCH_BYTES = 1 << 20  # a launch file is a few kB; refuse anything larger before reading it
 
 
 @dataclass(frozen=True)
@@ -203,15 +204,36 @@ class NodeConfig:
         return dataclasses.replace(self, **sections)
 
 
+def _read_toml(path: Path) -> dict:
+    """The launch file's tables; every failure (missing, too large, not UTF-8, not TOML, nested too deep for the
+    parser, an integer too long to convert) is a ConfigError naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_LAUNCH_BYTES:
+            raise ConfigError(f"{path}: launch file of {size} bytes: expected at most {MAX_LAUNCH_BYTES}")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: launch file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the launch file ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:  # tomllib's recursive descent: arrays or inline tables nested hundreds deep
+        raise ConfigError(f"{path}: invalid TOML: arrays or inline tables nested too deep") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int/str conversion limit)
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
 def load_launch(path: str | Path) -> NodeConfig:
     """Read and validate a TOML launch file."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: launch file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    data = _read_toml(path)
     try:
         return from_dict(NodeConfig, data)
     except ConfigError as e:

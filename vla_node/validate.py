@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from typing import Any, Mapping, TypeVar
@@ -13,15 +14,48 @@ import numpy as np
 
 T = TypeVar("T")
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # TOML's integers are 64-bit signed; so are msgpack's and torch's
+SHOW_CHARS = 200  # the longest `show` text
+
+
+class _BoundedRepr(reprlib.Repr):
+    """reprlib with room for a config value: depth 4, 16 items, 120 characters per string; an integer too long to
+    print (Python refuses beyond 4300 digits) is shown by its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxdict = 16
+        self.maxstring = self.maxother = 120
+        self.maxlong = 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 256:
+            return f"<integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOW = _BoundedRepr()
+
+
+def show(value: Any) -> str:
+    """repr(value) bounded in depth, items and length, for messages about untrusted values: a 1000-deep list or a
+    megabyte string cannot make the error itself fail (RecursionError) or flood a log."""
+    try:
+        text = _SHOW.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose own __repr__ fails still gets a message
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOW_CHARS else text[: SHOW_CHARS - 3] + "..."
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key, the value and what is allowed."""
 
 
 def require(ok: bool, key: str, value: Any, expected: str) -> None:
-    """Raise ConfigError('key = value: expected ...') unless ok."""
+    """Raise ConfigError('key = value: expected ...') unless ok (the value shown bounded, see `show`)."""
     if not ok:
-        raise ConfigError(f"{key} = {value!r}: expected {expected}")
+        raise ConfigError(f"{key} = {show(value)}: expected {expected}")
 
 
 def is_int(value: object) -> bool:
@@ -33,7 +67,12 @@ def is_number(value: object, finite: bool = True) -> bool:
     """A Python or numpy real number, not a bool (nor a numpy bool); finite unless `finite=False`."""
     if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
         return False
-    return not finite or math.isfinite(value)
+    if not finite:
+        return True
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a Python int beyond the float range
+        return False
 
 
 def did_you_mean(name: str, options: typing.Iterable[str]) -> str:
@@ -46,9 +85,8 @@ def choose(key: str, name: str, options: Mapping[str, T] | typing.Collection[str
     with the allowed ones and a did-you-mean."""
     if isinstance(name, str) and name in options:
         return options[name] if isinstance(options, Mapping) else name
-    raise ConfigError(
-        f"{key} = {name!r}: expected one of {sorted(options)}{did_you_mean(name, options)}"
-    )
+    hint = did_you_mean(name, options) if isinstance(name, str) else ""
+    raise ConfigError(f"{key} = {show(name)}: expected one of {sorted(options)}{hint}")
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -68,7 +106,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key} = {value!r}: unexpected value")
+        raise ConfigError(errors[0] if errors else f"{key} = {show(value)}: unexpected value")
     if origin is typing.Literal:
         require(value in args, key, value, f"one of {list(args)}")
         return value
@@ -85,10 +123,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return value
     if hint is int:
         require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        require(INT64_MIN <= value <= INT64_MAX, key, value, "an integer of at most 64 bits")
         return value
     if hint is float:
         require(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "a number")
-        return float(value)
+        require(isinstance(value, float) or INT64_MIN <= value <= INT64_MAX, key, value, "a finite number")
+        return float(value)  # nan and inf pass here: the section's own check names what it allows (from_dict)
     if hint is str:
         require(isinstance(value, str), key, value, "a string")
         return value
@@ -104,11 +144,18 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else key
         if key not in names:
-            raise ConfigError(f"{full}: unknown key; expected one of {sorted(names)}{did_you_mean(key, names)}")
+            hint = did_you_mean(key, names) if isinstance(key, str) else ""
+            shown = full if len(full) <= SHOW_CHARS and full.isprintable() else show(full)
+            raise ConfigError(f"{shown}: unknown key; expected one of {sorted(names)}{hint}")
         kwargs[key] = _coerce(full, value, hints[key])
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except ConfigError as e:
         if prefix and not str(e).startswith(prefix):
             raise ConfigError(f"{prefix}.{e}") from None
         raise
+    for key, value in kwargs.items():  # what the section let through: no NaN or infinity in any number it holds
+        for item in value if isinstance(value, tuple) else (value,):
+            require(not isinstance(item, float) or math.isfinite(item), f"{prefix}.{key}" if prefix else key, item,
+                    "a finite number")
+    return built

@@ -17,12 +17,26 @@ from mcap.reader import NonSeekingReader, make_reader
 from mcap.records import Channel, Schema
 
 from vla_node.drives.video import DriveError, decode_image, one_line
+from vla_node.wire.protocol import jpeg_size
 
 MCAP_MAGIC = b"\x89MCAP0\r\n"
+MAX_SIDE = 16384  # the largest image side any drive reader accepts (checked before decoding or copying pixels)
 
 
 def drive_error(path: os.PathLike | str, problem: object) -> DriveError:
     return DriveError(f"{path}: {one_line(problem)}")
+
+
+def jpeg_dims(data: bytes) -> tuple[int, int]:
+    """(height, width) of a JPEG by the same start-of-frame scan the node applies to a received frame
+    (wire.protocol.jpeg_size), so a drive never holds a JPEG the node would refuse for its markers; ValueError
+    when there is none or it declares an empty image."""
+    size = jpeg_size(data)
+    if size is None:
+        raise ValueError("not a JPEG (no start-of-frame segment before the first scan)")
+    if 0 in size:
+        raise ValueError(f"JPEG declares a {size[1]}x{size[0]} image")
+    return size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,6 +183,14 @@ class McapIndex:
         schema = self.schemas.get(channel.schema_id)
         return schema.name if schema is not None else ""
 
+    def relative_ns(self, path: Path, topic: str, log_time: int) -> int:
+        """A message's stamp relative to the drive's first message; a log time outside the statistics' span means
+        the statistics (or the message) are corrupt: a DriveError, not a negative or out-of-range stamp."""
+        if not self.start_ns <= log_time <= self.end_ns:
+            raise drive_error(path, f"corrupt MCAP: message on {topic!r} at log time {log_time} outside the span "
+                                    f"{self.start_ns}..{self.end_ns} its statistics give")
+        return log_time - self.start_ns
+
 
 def is_mcap(path: Path) -> bool:
     with open(path, "rb") as f:
@@ -196,6 +218,9 @@ def read_mcap_index(path: Path) -> McapIndex:
                                         f"`mcap recover` can salvage its messages") from e
             if summary is not None and summary.statistics is not None:
                 stats = summary.statistics
+                if stats.message_start_time > stats.message_end_time:
+                    raise drive_error(path, f"corrupt MCAP: its statistics span {stats.message_start_time}.."
+                                            f"{stats.message_end_time} ends before it starts")
                 return McapIndex(profile, dict(summary.channels), dict(summary.schemas),
                                  dict(stats.channel_message_counts), stats.message_start_time,
                                  stats.message_end_time)
@@ -237,6 +262,20 @@ def guarded(path: Path, items: Iterator[Any]) -> Iterator[Any]:
         yield item
 
 
+def in_time_order(path: Path, items: Iterator[Any]) -> Iterator[Any]:
+    """The items (schema, channel, message, ...) as they come, checked to be in log-time order: the mcap reader
+    orders messages by the chunk indexes' times, so a decrease means a corrupt index or chunk, not a drive whose
+    stamps go backwards (those the reader sorts)."""
+    last = None
+    for item in items:
+        log_time = item[2].log_time
+        if last is not None and log_time < last:
+            raise drive_error(path, f"corrupt MCAP: message at log time {log_time} read after one at {last} "
+                                    f"(a chunk's or its index's time span is wrong)")
+        last = log_time
+        yield item
+
+
 def iter_mcap(path: Path, topics: list[str], decoder_factories: tuple = ()) -> Iterator[Any]:
     """(schema, channel, message[, decoded]) in log-time order for `topics`, chunk CRCs checked."""
     with open(path, "rb") as f:
@@ -248,4 +287,4 @@ def iter_mcap(path: Path, topics: list[str], decoder_factories: tuple = ()) -> I
             items = reader.iter_decoded_messages(topics=topics, log_time_order=True)
         else:
             items = reader.iter_messages(topics=topics, log_time_order=True)
-        yield from guarded(path, items)
+        yield from in_time_order(path, guarded(path, items))

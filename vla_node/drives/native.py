@@ -17,16 +17,23 @@ import numpy as np
 from mcap.well_known import MessageEncoding
 from mcap.writer import CompressionType, Writer
 
-from vla_node.drives.common import DriveFrame, DriveMessage, McapDriveReader, McapIndex, drive_error, iter_mcap
-from vla_node.drives.video import jpeg_size
-from vla_node.validate import ConfigError
+from vla_node.drives.common import (
+    MAX_SIDE,
+    DriveFrame,
+    DriveMessage,
+    McapDriveReader,
+    McapIndex,
+    drive_error,
+    iter_mcap,
+    jpeg_dims,
+)
+from vla_node.validate import ConfigError, show
 
 NATIVE_PROFILE = "vla-node"
 FRAME_PREFIX = "frame/"
 WIRE_VERSION = 1
 WIRE_ENCODINGS = ("rgb8", "bgr8", "jpeg")
 COMPRESSIONS = {"zstd": CompressionType.ZSTD, "lz4": CompressionType.LZ4, "none": CompressionType.NONE}
-MAX_SIDE = 16384
 # msgpack limits for reading: generous for frames and action chunks, bounded for untrusted files
 UNPACK_LIMITS = dict(max_str_len=1 << 20, max_bin_len=MAX_SIDE * MAX_SIDE * 3, max_array_len=1 << 20,
                      max_map_len=1 << 12, max_ext_len=0)
@@ -177,28 +184,28 @@ def _unpack(path: Path, topic: str, log_time: int, data: bytes) -> dict[str, Any
     return value
 
 
-def _frame(path: Path, camera: str, topic: str, log_time: int, origin_ns: int, m: dict[str, Any]) -> DriveFrame:
+def _frame(path: Path, camera: str, topic: str, log_time: int, stamp_ns: int, m: dict[str, Any]) -> DriveFrame:
     def bad(problem: str) -> Exception:
         return drive_error(path, f"frame on {topic!r} at log time {log_time}: {problem}")
 
     if m.get("v") != WIRE_VERSION:
-        raise bad(f"v = {m.get('v')!r}, expected {WIRE_VERSION}")
+        raise bad(f"v = {show(m.get('v'))}, expected {WIRE_VERSION}")
     for key in ("seq", "stamp_ns", "height", "width"):
         value = m.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise bad(f"{key} = {value!r}, expected a non-negative integer")
+            raise bad(f"{key} = {show(value)}, expected a non-negative integer")
     height, width, encoding, data = m["height"], m["width"], m.get("encoding"), m.get("data")
     if m.get("camera") != camera:
-        raise bad(f"camera = {m.get('camera')!r}, expected {camera!r} (from the topic)")
+        raise bad(f"camera = {show(m.get('camera'))}, expected {show(camera)} (from the topic)")
     if encoding not in WIRE_ENCODINGS:
-        raise bad(f"unsupported encoding {encoding!r}, expected one of {list(WIRE_ENCODINGS)}")
+        raise bad(f"unsupported encoding {show(encoding)}, expected one of {list(WIRE_ENCODINGS)}")
     if not isinstance(data, bytes):
         raise bad(f"data is {type(data).__name__}, expected bytes")
     if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
         raise bad(f"size {width}x{height} outside 1..{MAX_SIDE}")
     if encoding == "jpeg":
         try:
-            jpeg_height, jpeg_width = jpeg_size(data)
+            jpeg_height, jpeg_width = jpeg_dims(data)
         except ValueError as e:
             raise bad(str(e)) from e
         if (jpeg_height, jpeg_width) != (height, width):
@@ -208,7 +215,7 @@ def _frame(path: Path, camera: str, topic: str, log_time: int, origin_ns: int, m
     elif encoding == "bgr8":
         bgr = np.frombuffer(data, np.uint8).reshape(height, width, 3)  # (H, W, 3)
         data, encoding = bgr[:, :, ::-1].tobytes(), "rgb8"
-    return DriveFrame(camera, m["seq"], log_time - origin_ns, encoding, height, width, data)
+    return DriveFrame(camera, m["seq"], stamp_ns, encoding, height, width, data)
 
 
 class NativeDriveReader(McapDriveReader):
@@ -235,11 +242,11 @@ class NativeDriveReader(McapDriveReader):
         raise drive_error(self.path, f"empty drive: no frame messages on {self.topics[camera]!r}")
 
     def _frames(self, topics: list[str]) -> Iterator[tuple[DriveFrame, str]]:
-        origin = self.index.start_ns
         for _schema, channel, message in iter_mcap(self.path, topics):
+            stamp_ns = self.index.relative_ns(self.path, channel.topic, message.log_time)
             m = _unpack(self.path, channel.topic, message.log_time, message.data)
             camera = channel.topic[len(FRAME_PREFIX):]
-            yield _frame(self.path, camera, channel.topic, message.log_time, origin, m), m["encoding"]
+            yield _frame(self.path, camera, channel.topic, message.log_time, stamp_ns, m), m["encoding"]
 
     def messages(self, topics: Iterable[str] | None = None) -> Iterator[DriveMessage]:
         available = {ch.topic for ch in self.index.channels.values()
@@ -247,7 +254,7 @@ class NativeDriveReader(McapDriveReader):
         wanted = sorted(available if topics is None else available & set(topics))
         if not wanted:
             return
-        origin = self.index.start_ns
         for _schema, channel, message in iter_mcap(self.path, wanted):
+            stamp_ns = self.index.relative_ns(self.path, channel.topic, message.log_time)
             header = _unpack(self.path, channel.topic, message.log_time, message.data)
-            yield DriveMessage(channel.topic, message.log_time - origin, header)
+            yield DriveMessage(channel.topic, stamp_ns, header)

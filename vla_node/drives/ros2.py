@@ -15,8 +15,17 @@ import numpy as np
 from mcap.well_known import MessageEncoding
 from mcap_ros2.decoder import DecoderFactory
 
-from vla_node.drives.common import DriveFrame, McapDriveReader, McapIndex, drive_error, iter_mcap
-from vla_node.drives.video import decode_image, jpeg_size
+from vla_node.drives.common import (
+    MAX_SIDE,
+    DriveFrame,
+    McapDriveReader,
+    McapIndex,
+    drive_error,
+    iter_mcap,
+    jpeg_dims,
+)
+from vla_node.drives.video import decode_image
+from vla_node.validate import show
 
 IMAGE_SCHEMAS = ("sensor_msgs/msg/Image", "sensor_msgs/Image")
 COMPRESSED_SCHEMAS = ("sensor_msgs/msg/CompressedImage", "sensor_msgs/CompressedImage")
@@ -41,15 +50,26 @@ def camera_name(topic: str) -> str:
     return parts[-1] if parts else topic
 
 
+def _check_size(where: str, height: int, width: int) -> None:
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise ValueError(f"{where}: image size {width}x{height}, expected sides in 1..{MAX_SIDE}")
+
+
+def _png_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from a PNG's IHDR chunk, or None when `data` does not start like a PNG."""
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+
+
 def _raw_image(msg: Any, where: str) -> tuple[str, int, int, bytes]:
     encoding = str(msg.encoding).lower()
     if encoding not in RAW_ENCODINGS:
-        raise ValueError(f"{where}: unsupported image encoding {msg.encoding!r}, "
+        raise ValueError(f"{where}: unsupported image encoding {show(msg.encoding)}, "
                          f"expected one of {sorted(RAW_ENCODINGS)}")
     pixel_bytes, order = RAW_ENCODINGS[encoding]
     height, width, step = int(msg.height), int(msg.width), int(msg.step)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"{where}: image size {width}x{height}, expected positive")
+    _check_size(where, height, width)
     if step < width * pixel_bytes:
         raise ValueError(f"{where}: step {step} < width*{pixel_bytes} = {width * pixel_bytes} for {encoding}")
     data = msg.data
@@ -69,14 +89,22 @@ def _compressed_image(msg: Any, where: str) -> tuple[str, int, int, bytes]:
     fmt = str(msg.format).lower()
     data = bytes(msg.data)
     if "compresseddepth" in fmt:
-        raise ValueError(f"{where}: unsupported image format {msg.format!r} (depth), expected jpeg or png")
+        raise ValueError(f"{where}: unsupported image format {show(msg.format)} (depth), expected jpeg or png")
     if "jpeg" in fmt or "jpg" in fmt:
-        height, width = jpeg_size(data)
+        try:
+            height, width = jpeg_dims(data)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        _check_size(where, height, width)
         return "jpeg", height, width, data
     if "png" in fmt:
+        size = _png_size(data)
+        if size is None:
+            raise ValueError(f"{where}: not a PNG (no signature and IHDR chunk)")
+        _check_size(where, *size)  # before the decoder allocates what the header claims
         rgb = decode_image(data, "png")
         return "rgb8", rgb.shape[0], rgb.shape[1], rgb.tobytes()
-    raise ValueError(f"{where}: unsupported image format {msg.format!r}, expected jpeg or png")
+    raise ValueError(f"{where}: unsupported image format {show(msg.format)}, expected jpeg or png")
 
 
 class Ros2DriveReader(McapDriveReader):
@@ -105,7 +133,6 @@ class Ros2DriveReader(McapDriveReader):
         raise drive_error(self.path, f"empty drive: no image messages on {self.topics[camera]!r}")
 
     def _frames(self, topics: list[str]) -> Iterator[tuple[DriveFrame, str]]:
-        origin = self.index.start_ns
         seqs = {t: 0 for t in topics}
         for _schema, channel, message, msg in iter_mcap(self.path, topics, (DecoderFactory(),)):
             topic = channel.topic
@@ -119,7 +146,11 @@ class Ros2DriveReader(McapDriveReader):
                     encoding, height, width, payload = _raw_image(msg, where)
             except ValueError as e:
                 raise drive_error(self.path, e) from e
+            except (AttributeError, TypeError) as e:  # a schema whose fields are not sensor_msgs' (missing, mistyped)
+                raise drive_error(self.path, f"{where}: not a {self.index.schema_name(channel) or 'known'} message "
+                                             f"({type(e).__name__}: {e})") from e
             seq = seqs[topic]
             seqs[topic] = seq + 1
-            yield DriveFrame(camera_name(topic), seq, message.log_time - origin, encoding, height, width,
+            stamp_ns = self.index.relative_ns(self.path, topic, message.log_time)
+            yield DriveFrame(camera_name(topic), seq, stamp_ns, encoding, height, width,
                              payload), source

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from vla_node.validate import is_int, require
+from vla_node.validate import is_int, require, show
 
 NDARRAY_EXT = 1
 MAX_NDIM = 32
@@ -126,9 +126,9 @@ def _decode_ndarray(data: bytes, limits: CodecLimits) -> np.ndarray:
         raise CodecError("bad_ndarray", "payload is not [dtype, shape, bytes]")
     dtype_str, shape, raw = fields
     if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
-        raise CodecError("bad_dtype", f"dtype {dtype_str!r}: expected one of {sorted(ALLOWED_DTYPES)}")
+        raise CodecError("bad_dtype", f"dtype {show(dtype_str)}: expected one of {sorted(ALLOWED_DTYPES)}")
     if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-        raise CodecError("bad_ndarray", f"shape {shape!r}: expected a list of non-negative integers")
+        raise CodecError("bad_ndarray", f"shape {show(shape)}: expected a list of non-negative integers")
     if not isinstance(raw, bytes):
         raise CodecError("bad_ndarray", f"data is {type(raw).__name__}: expected bin")
     dtype = ALLOWED_DTYPES[dtype_str]

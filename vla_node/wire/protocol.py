@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import av
 import numpy as np
 
-from vla_node.validate import require
+from vla_node.validate import require, show
 from vla_node.wire.codec import CodecError, CodecLimits, pack, unpack
 
 PROTOCOL_VERSION = 1
@@ -173,10 +173,14 @@ class State:
 
 
 def _buffer(part: Any, what: str) -> memoryview:
+    """The part as a flat view of bytes (zmq.Frame, bytes, bytearray, a contiguous array's memoryview)."""
     try:
-        return memoryview(part)
+        view = memoryview(part)
     except TypeError:
         raise ProtocolError("bad_parts", f"{what} part is {type(part).__name__}: expected bytes") from None
+    if not view.c_contiguous:
+        raise ProtocolError("bad_parts", f"{what} part is a non-contiguous buffer: expected bytes")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _unpack_map(part: Any, limits: CodecLimits, what: str) -> dict:
@@ -195,19 +199,19 @@ def _check_keys(msg: dict, required: frozenset[str], strict: bool, what: str) ->
         raise ProtocolError("bad_version", f"{what} has no 'v': expected v = {PROTOCOL_VERSION}")
     v = msg["v"]
     if type(v) is not int or v != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"{what} v = {v!r}: expected {PROTOCOL_VERSION}")
+        raise ProtocolError("bad_version", f"{what} v = {show(v)}: expected {PROTOCOL_VERSION}")
     missing = required.difference(msg)
     if missing:
         raise ProtocolError("missing_field", f"{what} lacks {sorted(missing)}")
     if strict and len(msg) != len(required):
         extra = [k for k in msg if k not in required]
-        raise ProtocolError("unknown_field", f"{what} has unknown keys {extra!r}: expected {sorted(required)}")
+        raise ProtocolError("unknown_field", f"{what} has unknown keys {show(extra)}: expected {sorted(required)}")
 
 
 def _uint(msg: dict, key: str, what: str) -> int:
     value = msg[key]
     if type(value) is not int or not 0 <= value < _UINT_MAX:
-        raise ProtocolError("bad_field", f"{what} {key} = {value!r}: expected an unsigned integer")
+        raise ProtocolError("bad_field", f"{what} {key} = {show(value)}: expected an unsigned integer")
     return value
 
 
@@ -218,11 +222,11 @@ def _finite_floats(values: Any, key: str, what: str) -> list:
     for x in values:
         tx = type(x)
         if tx is not float and tx is not int:
-            raise ProtocolError("bad_field", f"{what} {key} holds {x!r}: expected numbers")
+            raise ProtocolError("bad_field", f"{what} {key} holds {show(x)}: expected numbers")
         if tx is float and not math.isfinite(x):
-            raise ProtocolError("non_finite", f"{what} {key} holds {x!r}: expected finite numbers")
+            raise ProtocolError("non_finite", f"{what} {key} holds {show(x)}: expected finite numbers")
         if abs(x) > _FLOAT32_MAX:
-            raise ProtocolError("non_finite", f"{what} {key} holds {x!r}: beyond float32 range")
+            raise ProtocolError("non_finite", f"{what} {key} holds {show(x)}: beyond float32 range")
     return values
 
 
@@ -364,14 +368,14 @@ def decode_frame(
     seq = _uint(header, "seq", "frame header")
     stamp_ns = _uint(header, "stamp_ns", "frame header")
     if type(header["camera"]) is not str or header["camera"] != name:
-        raise ProtocolError("bad_field", f"frame header camera = {header['camera']!r}: topic says {name!r}")
+        raise ProtocolError("bad_field", f"frame header camera = {show(header['camera'])}: topic says {name!r}")
     encoding = header["encoding"]
     if type(encoding) is not str or encoding not in ENCODINGS:
-        raise ProtocolError("bad_encoding", f"encoding = {encoding!r}: expected one of {list(ENCODINGS)}")
+        raise ProtocolError("bad_encoding", f"encoding = {show(encoding)}: expected one of {list(ENCODINGS)}")
     height, width = header["height"], header["width"]
     for key, value in (("height", height), ("width", width)):
         if type(value) is not int or value < 1:
-            raise ProtocolError("bad_field", f"frame header {key} = {value!r}: expected an integer >= 1")
+            raise ProtocolError("bad_field", f"frame header {key} = {show(value)}: expected an integer >= 1")
     if height > spec.max_height or width > spec.max_width:
         raise ProtocolError(
             "too_big_image", f"{name}: {height}x{width}: expected at most {spec.max_height}x{spec.max_width}"
@@ -424,7 +428,7 @@ def decode_command(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOC
         _check_keys(msg, _INSTRUCTION_KEYS, True, "instruction")
         text = msg["text"]
         if type(text) is not str or text == "":
-            raise ProtocolError("bad_field", f"instruction text = {text!r:.80}: expected a non-empty string")
+            raise ProtocolError("bad_field", f"instruction text = {show(text)}: expected a non-empty string")
         if len(text) > limits.max_text_chars:
             raise ProtocolError(
                 "too_large",
@@ -489,7 +493,7 @@ def decode_action(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOCO
     _uint(msg, "stamp_ns", "action")
     status = msg["status"]
     if type(status) is not str or status not in ACTION_STATUSES:
-        raise ProtocolError("bad_field", f"action status = {status!r}: expected one of {list(ACTION_STATUSES)}")
+        raise ProtocolError("bad_field", f"action status = {show(status)}: expected one of {list(ACTION_STATUSES)}")
     if msg["frame_seq"] is None or msg["frame_stamp_ns"] is None:
         if not (msg["frame_seq"] is None and msg["frame_stamp_ns"] is None and status == "fallback"):
             raise ProtocolError(
@@ -500,7 +504,7 @@ def decode_action(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOCO
         _uint(msg, "frame_stamp_ns", "action")
     level = msg["level"]
     if not ((type(level) is int and level >= 0) or type(level) is str):
-        raise ProtocolError("bad_field", f"action level = {level!r}: expected an integer >= 0 or a name")
+        raise ProtocolError("bad_field", f"action level = {show(level)}: expected an integer >= 0 or a name")
     action = _finite_floats(msg["action"], "action", "action")
     if not action:
         raise ProtocolError("bad_field", "action action = []: expected at least one number")
@@ -515,7 +519,7 @@ def decode_action(parts: Sequence[Any], limits: ProtocolLimits = DEFAULT_PROTOCO
     if type(timing) is not dict or not all(
         type(k) is str and type(v) in (int, float) for k, v in timing.items()
     ):
-        raise ProtocolError("bad_field", f"action timing_ms = {timing!r:.120}: expected a map of stage -> ms")
+        raise ProtocolError("bad_field", f"action timing_ms = {show(timing)}: expected a map of stage -> ms")
     return msg
 
 
