@@ -67,6 +67,10 @@ def cmd_bench(args) -> int:
         from vla_node.bench import attention
 
         attention.run(**bench_kwargs(args, None, "threads"))
+    elif args.what == "soak":
+        from vla_node.bench import soak
+
+        soak.run(**bench_kwargs(args, "preset", "minutes", "cameras", "launch", "control_hz", "encoding", "out_dir"))
     elif args.what == "all":
         from vla_node.bench import suite
 
@@ -190,6 +194,17 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_fuzz(args) -> int:
+    """Fuzz the decoders of outside input for --minutes; print the counts per target; exit 1 on any failure."""
+    from vla_node.fuzz.runner import format_summary, run_fuzz
+    from vla_node.fuzz.targets import target
+
+    targets = [target(name) for name in args.target] if args.target else None
+    summary = run_fuzz(args.minutes, seed=args.seed, targets=targets, out_dir=args.out, progress=not args.no_progress)
+    print(format_summary(summary))
+    return 0 if summary["ok"] else 1
+
+
 def addresses(args) -> dict | None:
     """The command line's address overrides, or None."""
     overrides = {k: getattr(args, k) for k in ("frames", "commands", "actions", "health") if getattr(args, k)}
@@ -218,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_commands(sub)
     add_drive_commands(sub)
     add_bench_commands(sub)
+    add_fuzz_command(sub)
     return parser
 
 
@@ -308,6 +324,20 @@ def add_drive_commands(sub) -> None:
     q.set_defaults(func=cmd_report_compare)
 
 
+def add_fuzz_command(sub) -> None:
+    """fuzz."""
+    p = sub.add_parser("fuzz", help="mutation-fuzz every decoder of outside input (wire, drives, launch files, "
+                                    "checkpoints); exit 1 on any failure")
+    p.add_argument("--minutes", type=float, required=True, help="time for mutated inputs after the seeds")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--target", action="append", metavar="NAME",
+                   help="fuzz only this target (repeatable): codec, frame, command, action, health, drive, launch, "
+                        "checkpoint (default all)")
+    p.add_argument("--out", default="out/fuzz", help="where failing inputs and summary.json go (default out/fuzz)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    p.set_defaults(func=cmd_fuzz)
+
+
 def add_bench_commands(sub) -> None:
     """bench all | model | cache | node | engines | recipes | attention | reuse."""
     p = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
@@ -335,6 +365,15 @@ def add_bench_commands(sub) -> None:
     q = bench_parser(bench, "node", "the node over real loopback ZeroMQ against its latency targets")
     q.add_argument("--seconds", type=float, help="measured run length (default 60)")
     q.add_argument("--launch", help="launch file instead of launch/cpu.toml (its own preset applies)")
+    q = bench_parser(bench, "soak", "the node under camera load for minutes: RSS growth, missed ticks, counters")
+    q.add_argument("--minutes", type=float, required=True, help="run length in minutes")
+    q.add_argument("--camera", dest="cameras", action="append", metavar="NAME=WxH@FPS",
+                   help="a camera the client publishes (repeat for more; default front=1920x1080@30 rear=640x480@30)")
+    q.add_argument("--launch", help="launch file whose [[cameras]] are replaced (default launch/cpu.toml)")
+    q.add_argument("--control-hz", type=float, help="control rate (default the launch file's)")
+    q.add_argument("--encoding", choices=["rgb8", "jpeg"], help="frame encoding (default rgb8)")
+    q.add_argument("--out", dest="out_dir", help="keep the derived launch file, its checkpoint, the node log and "
+                                                 "soak.json in DIR (default: a temporary folder, nothing kept)")
     q = bench_parser(bench, "engines", "each pure step in torch and ONNX Runtime (fp32, int8), with parity")
     q.add_argument("--iters", type=int, help="timed rounds (default 10)")
     add_threads(q)

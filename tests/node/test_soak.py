@@ -1,0 +1,31 @@
+"""A one-minute soak of the node (tiny preset, the two default cameras at their real sizes: 1920x1080 and 640x480
+rgb8 at 30 fps each, the state at 10 Hz): RSS flat after warm-up, no tick missed, every frame and state accounted
+for. Jitter is not asserted: wall-clock figures are the benchmark's (`vla-node bench soak`), on a quiet machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.node_harness import TINY_LAUNCH
+from vla_node.bench import soak
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_minute_soak(tmp_path):
+    result = soak.run(1, launch=TINY_LAUNCH, out_dir=tmp_path, progress=False)
+    log = (tmp_path / "node.log").read_text(errors="replace")[-3000:]
+    table = soak.table(result)
+    assert result["context"]["exit_code"] == 0, f"{table}\nnode log:\n{log}"
+    assert result["context"]["cameras"] == list(soak.DEFAULT_CAMERAS)
+    rss, counters, client = result["rss"], result["counters"], result["client"]
+    assert rss["samples"] >= 100 and rss["growth_pct"] is not None  # health every 0.5 s in tiny.toml
+    assert rss["growth_pct"] < 5.0, f"RSS grew after warm-up:\n{table}\n{rss['series_s_mb']}"
+    assert result["missed_ticks"] == 0, f"{result['ticks']}\n{table}\nnode log:\n{log}"
+    assert result["ticks"]["received"] >= 0.95 * 60 * 50, table
+    assert counters["reconciled"], f"{counters['mismatches']}\n{table}"
+    for name, cam in client["cameras"].items():  # each camera sent at (nearly) its 30 fps
+        assert cam["sent"] >= 0.95 * 60 * 30, (name, cam)
+        assert counters["cameras"][name]["processed"] > 0, table
+    assert client["states_sent"] >= 0.99 * 60 * 10 and counters["commands"]["accepted"] == client["states_sent"]
+    assert result["statuses"]["fresh"] > 0, table
