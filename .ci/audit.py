@@ -5,8 +5,9 @@ extras, as installed in this environment) has a known vulnerability.
 First pip-audit against its online service (PyPI's vulnerability data). A dependency it could not audit (no
 network, or an index that does not answer for it) is then checked against the advisories in
 .ci/advisories.json: the PyPA advisory database's records for these packages at the commit it names (refresh
-it from that repository; it says its date, and so does this audit). Every dependency ends up audited one way
-or the other, and the report says which.
+it from that repository; it says its date, and so does this audit; `advisory_packages` lists every package
+the database has records for, so a dependency outside it has none there). Every dependency ends up audited one
+way or the other, and the report says which.
 
     .venv/bin/python .ci/audit.py [--offline] [--advisories FILE]
 """
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     audited &= set(deps)
     snapshot = json.loads(args.advisories.read_text())
     rest = {name: version for name, version in deps.items() if name not in audited}
-    uncovered = sorted(set(rest) - {normalize(p) for p in snapshot["packages"]})
+    # a dependency with records in the database that were not copied into the snapshot: refresh the snapshot
+    vendored = {normalize(p) for p in snapshot["packages"]}
+    uncovered = sorted(name for name in rest if name in snapshot["advisory_packages"] and name not in vendored)
     offline = offline_findings(rest, snapshot)
     print(f"audit: {len(deps)} runtime dependencies of {ROOT}; {note}")
     print(f"audit: {len(rest)} checked against the advisory snapshot {snapshot['source']} @ "
@@ -138,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         how = "pip-audit" if name in audited else "snapshot"
         print(f"  {name:22} {deps[name]:16} {how:9} {', '.join(ids) if ids else 'no known vulnerability'}")
         failed |= bool(ids)
-    if uncovered:  # the snapshot was made for another set of dependencies: refresh it
-        print(f"audit: not covered by the snapshot's package list: {uncovered}", file=sys.stderr)
+    if uncovered:
+        print(f"audit: the database has advisories for {uncovered}, not copied into the snapshot: refresh it",
+              file=sys.stderr)
         failed = True
     print("audit: FAILED" if failed else "audit: ok")
     return 1 if failed else 0

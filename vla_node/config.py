@@ -152,9 +152,9 @@ class HealthConfig:
 @dataclass(frozen=True)
 class RealtimeConfig:
     gc_freeze: bool = True  # gc.collect(); gc.freeze() after warm-up, automatic GC off in the loop
-    cpu_affinity: tuple[int, ...] = ()  # CPUs for the node's process; () = leave as is
-    sched_fifo_priority: int = 0  # SCHED_FIFO priority 1-99 where permitted; 0 = off
-    worker_nice: int = 0  # the inference thread's nice value (0-19): > 0 lets the publisher thread preempt it
+    cpu_affinity: tuple[int, ...] = ()  # CPUs for the node's processes (worker and publisher); () = leave as is
+    sched_fifo_priority: int = 0  # the publisher process's SCHED_FIFO priority 1-99 where permitted; 0 = off
+    worker_nice: int = 0  # the worker process's nice value (0-19): > 0 lets the publisher process preempt it
 
     def __post_init__(self) -> None:
         require(all(isinstance(c, int) and c >= 0 for c in self.cpu_affinity), "realtime.cpu_affinity",

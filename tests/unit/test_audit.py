@@ -34,11 +34,12 @@ def test_osv_ranges():
     assert audit.affected("0.3", advisory("x", [], versions=["0.3"]))
 
 
-def snapshot(tmp_path: Path, advisories: list[dict]) -> Path:
+def snapshot(tmp_path: Path, advisories: list[dict], **fields) -> Path:
     path = tmp_path / "advisories.json"
-    packages = json.loads(audit.ADVISORIES.read_text())["packages"]
-    path.write_text(json.dumps({"source": "test", "commit": "0" * 40, "date": "today", "packages": packages,
-                                "advisories": advisories}))
+    vendored = json.loads(audit.ADVISORIES.read_text())
+    path.write_text(json.dumps({"source": "test", "commit": "0" * 40, "date": "today", "packages": vendored["packages"],
+                                "advisory_packages": vendored["advisory_packages"], "advisories": advisories,
+                                **fields}))
     return path
 
 
@@ -53,6 +54,15 @@ def test_a_known_vulnerability_in_a_runtime_dependency_fails_the_audit(tmp_path,
     assert audit.main(["--offline", "--advisories", str(snapshot(tmp_path, [old, dev_only]))]) == 0
 
 
-def test_the_vendored_snapshot_covers_every_runtime_dependency():
-    covered = {audit.normalize(p) for p in json.loads(audit.ADVISORIES.read_text())["packages"]}
-    assert set(audit.runtime_closure()) <= covered
+def test_a_dependency_whose_records_were_not_copied_fails_the_audit(tmp_path, capsys):
+    """The snapshot copies the records of the packages it names; a runtime dependency the database has records
+    for but the snapshot did not copy cannot be audited offline: refresh the snapshot."""
+    assert audit.main(["--offline", "--advisories", str(snapshot(tmp_path, [], packages=["torch"],
+                                                                 advisory_packages=["numpy", "torch"]))]) == 1
+    assert "advisories for ['numpy'], not copied" in capsys.readouterr().err
+
+
+def test_the_vendored_snapshot_holds_the_records_of_every_runtime_dependency_that_has_any():
+    vendored = json.loads(audit.ADVISORIES.read_text())
+    copied = {audit.normalize(p) for p in vendored["packages"]}
+    assert {d for d in audit.runtime_closure() if d in vendored["advisory_packages"]} <= copied

@@ -79,7 +79,6 @@ class PublisherLink:
                                          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
-        self.offers_sent = 0
         try:
             self._send({"t": "hello", **hello})
             reply = self._wait_reply(ready_timeout_s)
@@ -127,7 +126,6 @@ class PublisherLink:
                     "frame_stamp_ns": frame_stamp_ns, "produced_ns": produced_ns, "level": level,
                     "timing_ms": None if timing_ms is None else {str(k): float(v) for k, v in timing_ms.items()},
                     "deadline_ns": deadline_ns, "tokens_refreshed": tokens_refreshed, "reuse_ratio": reuse_ratio})
-        self.offers_sent += 1
         return True
 
     def withdraw(self, level: int) -> None:
