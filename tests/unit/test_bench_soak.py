@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from helpers.paths import TEST_LAUNCH_DIR
-from vla_node.bench import node as bench_node
 from vla_node.bench import soak
 from vla_node.bench.soak import soak_launch
 from vla_node.bench.soak_figures import (
@@ -20,7 +19,6 @@ from vla_node.bench.soak_figures import (
     parse_cameras,
     reconcile,
     rss_figures,
-    tick_figures,
     warmup_s,
 )
 from vla_node.config import default_launch, load_launch
@@ -129,19 +127,6 @@ def test_not_reconciled_more_received_than_sent_or_unknown_camera():
     r = reconcile({"front": 10, "rear": 10}, 100, _health({"front": (10, 10, 0), "side": (0, 0, 0)}))
     assert any(m.startswith("rear: not in the node's health") for m in r["mismatches"])
     assert any("never sent: ['side']" in m for m in r["mismatches"])
-
-
-def test_tick_figures_match_bench_node():
-    rng = np.random.default_rng(0)
-    period = 20_000_000
-    for trial in range(20):
-        n = int(rng.integers(50, 400))
-        index = np.cumsum(rng.choice([1, 1, 1, 1, 2], size=n))  # a few skipped ticks
-        late = rng.exponential(300_000, size=n).astype(np.int64).clip(0, period - 1)
-        stamps = 10**12 + int(rng.integers(0, period)) + index * period + late
-        seqs = np.arange(n) + np.where(rng.random(n) < 0.02, 1, 0).cumsum()  # a few lost
-        arrivals = stamps + rng.integers(50_000, 500_000, size=n)
-        assert tick_figures(stamps, seqs, arrivals, period) == bench_node.tick_figures(stamps, seqs, arrivals, period)
 
 
 def test_missed_ticks_counts_skips_once():

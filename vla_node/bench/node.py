@@ -59,23 +59,33 @@ def percentiles(values_ms: Any) -> dict[str, float | int]:
             "n": int(v.size)}
 
 
+def grid_origin(stamps_ns: Any, period_ns: int, resolution_ns: int = 20_000, refine_ns: int = 500_000) -> int:
+    """The control grid's origin: the phase (on a resolution_ns grid) of least mean lateness, moved back to the
+    earliest stamp within refine_ns before it. In O(N log N) without a (candidates x stamps) matrix, so that an hour
+    of ticks costs no more memory than its stamps: the sum over stamps of (offset - c) mod period is
+    sum(offsets) - N c + period x #{offsets < c}, counted on the sorted offsets."""
+    stamps = np.asarray(stamps_ns, dtype=np.int64)
+    offsets = np.sort((stamps - stamps[0]) % period_ns)  # (N,)
+    candidates = np.arange(0, period_ns, resolution_ns, dtype=np.int64)  # (C,)
+    below = np.searchsorted(offsets, candidates, side="left")  # (C,) offsets < c
+    total = int(offsets.sum()) - offsets.size * candidates + period_ns * below  # (C,) summed lateness
+    best = int(candidates[np.argmin(total)])
+    before = (best - offsets) % period_ns
+    best -= int(before[before <= refine_ns].max(initial=0))
+    return int(stamps[0]) + best
+
+
 def control_grid(stamps_ns: Any, period_ns: int, resolution_ns: int = 20_000,
                  refine_ns: int = 500_000) -> tuple[int, np.ndarray, np.ndarray]:
     """Recover the control grid (origin + k x period) from the stamps of published ticks.
 
     A tick is published at or after its grid time and before the next one (the control clock resumes on the
     latest due tick), so lateness is in [0, period) and most ticks are a fraction of a ms late. The phase that
-    minimises the mean lateness (on a resolution_ns grid) is then moved back to the earliest stamp within
-    refine_ns before it, so that no on-time tick wraps around to a lateness of nearly a period.
+    minimises the mean lateness is then moved back to the earliest stamp within refine_ns before it, so that no
+    on-time tick wraps around to a lateness of nearly a period (grid_origin).
     Returns (grid origin ns, tick index per stamp, lateness ns per stamp)."""
     stamps = np.asarray(stamps_ns, dtype=np.int64)
-    offsets = (stamps - stamps[0]) % period_ns  # (N,) phase of each stamp in [0, period)
-    candidates = np.arange(0, period_ns, resolution_ns, dtype=np.int64)  # (C,)
-    lateness = (offsets[None, :] - candidates[:, None]) % period_ns  # (C, N)
-    best = int(candidates[np.argmin(lateness.mean(axis=1))])
-    before = (best - offsets) % period_ns  # (N,) how far each stamp's phase lies before the best phase
-    best -= int(before[before <= refine_ns].max(initial=0))
-    origin = int(stamps[0]) + best
+    origin = grid_origin(stamps, period_ns, resolution_ns, refine_ns)
     index = (stamps - origin) // period_ns
     return origin, index, stamps - (origin + index * period_ns)
 
@@ -206,7 +216,8 @@ def road_frames(count: int = 50) -> list[np.ndarray]:
     return frames + frames[-2:0:-1]
 
 
-def _handshake(client: Client, node: NodeProcess, timeout_s: float) -> None:
+def handshake(client: Client, node: NodeProcess, timeout_s: float) -> None:
+    """Wait for the node's subscriptions and first action; a node that exits or stays silent fails with its log."""
     deadline = time.monotonic() + timeout_s
     while True:
         if node.poll() is not None:
@@ -332,7 +343,7 @@ def measure_node(preset: str = "small", seconds: float = 60.0, warmup_s: float =
         node = NodeProcess(launch, addresses, tmp_dir / "node.log")
         try:
             frames = road_frames()  # rendered while the node starts
-            _handshake(client, node, timeout_s=300.0)
+            handshake(client, node, timeout_s=300.0)
             sent: dict[int, int] = {}
             seq = _stream(client, frames, warmup_s, None, sent, 0)  # the stage estimates settle
             before = _next_health(client)

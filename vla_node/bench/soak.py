@@ -21,11 +21,11 @@ import json
 import os
 import re
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+from vla_node.bench.node import handshake, tick_figures
 from vla_node.bench.soak_client import SETTLE_S, STATUS, SoakClient, camera_frames
 from vla_node.bench.soak_figures import (
     TARGETS,
@@ -36,7 +36,6 @@ from vla_node.bench.soak_figures import (
     rss_figures,
     table,
     targets_met,
-    tick_figures,
     warmup_s,
 )
 from vla_node.config import NodeConfig, default_launch, load_launch
@@ -128,20 +127,6 @@ def _checkpoint(shapes, cameras: int, seed: int, out_dir: Path) -> Path:
 
 
 # --- the run ----------------------------------------------------------------------------------------------------
-def _handshake(client: Client, node: NodeProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if node.poll() is not None:
-            raise node.error("before the handshake")
-        try:
-            client.wait_for_node(1.0)
-            return
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise NodeProcessError(f"no handshake with the node within {timeout_s:g} s; last lines of its log:\n"
-                                       f"{node.tail()}") from None
-
-
 def _soak(launch: Path, config: NodeConfig, cameras: Sequence[SoakCamera], encoding: str, seconds: float,
           work: Path, show_progress: bool) -> tuple[SoakClient, dict | None, bool, int]:
     """Start the node, soak it, settle; returns (the client and what it read, the settled health, settled, rc)."""
@@ -150,7 +135,7 @@ def _soak(launch: Path, config: NodeConfig, cameras: Sequence[SoakCamera], encod
     node = NodeProcess(launch, addresses, work / "node.log")
     try:
         frames = {c.name: camera_frames(c, encoding) for c in cameras}  # rendered while the node starts
-        _handshake(client, node, HANDSHAKE_S)
+        handshake(client, node, HANDSHAKE_S)
         capacity = int(seconds * 1e9 / config.scheduler.period_ns * 1.2) + 1000
         soak = SoakClient(client, cameras, frames, encoding, config.model.model_config().state_dim, capacity)
         with Progress(max(1, int(seconds)), "soak", unit="s", enabled=show_progress) as bar:

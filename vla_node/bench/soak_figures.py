@@ -2,8 +2,6 @@
 
     parse_camera     'NAME=WxH@FPS' -> SoakCamera (the --camera flag)
     rss_figures      RSS over time from the health messages' rss_bytes; growth after warm-up
-    tick_figures     bench/node.py's tick figures (seq gaps, grid gaps, jitter against the control grid), computed in
-                     O(N log N) so that an hour of ticks costs no more memory than its stamps
     reconcile        frames sent by the client against the node's per-camera counters (and states against commands)
     targets / table  met or missed, and the compact table printed at the end
 """
@@ -17,7 +15,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from vla_node.bench.node import percentiles
 from vla_node.validate import ConfigError
 
 TARGETS = {"rss_growth_pct": 5.0, "missed_ticks": 0, "control_jitter_ms_p99": 2.0, "reconciled": True}
@@ -89,41 +86,6 @@ def rss_figures(samples: Sequence[tuple[int, int]], start_ns: int, warmup_ns: in
                peak_growth_pct=round((float(ra.max()) - start_mb) / start_mb * 100, 3),
                slope_mb_per_min=round(float(slope), 3))
     return out
-
-
-# --- ticks --------------------------------------------------------------------------------------------------------
-def grid_origin(stamps_ns: Any, period_ns: int, resolution_ns: int = 20_000, refine_ns: int = 500_000) -> int:
-    """bench/node.py control_grid's origin (the phase of least mean lateness, moved back to the earliest stamp within
-    refine_ns before it) without its (candidates x stamps) matrix: the sum over stamps of (offset - c) mod period is
-    sum(offsets) - N c + period x #{offsets < c}, counted on the sorted offsets."""
-    stamps = np.asarray(stamps_ns, dtype=np.int64)
-    offsets = np.sort((stamps - stamps[0]) % period_ns)  # (N,)
-    candidates = np.arange(0, period_ns, resolution_ns, dtype=np.int64)  # (C,)
-    below = np.searchsorted(offsets, candidates, side="left")  # (C,) offsets < c
-    total = int(offsets.sum()) - offsets.size * candidates + period_ns * below  # (C,) summed lateness
-    best = int(candidates[np.argmin(total)])
-    before = (best - offsets) % period_ns
-    best -= int(before[before <= refine_ns].max(initial=0))
-    return int(stamps[0]) + best
-
-
-def tick_figures(stamps_ns: Any, seqs: Any, arrivals_ns: Any, period_ns: int) -> dict[str, Any]:
-    """The same figures as bench/node.py's tick_figures (grid from grid_origin)."""
-    stamps = np.asarray(stamps_ns, dtype=np.int64)
-    seqs = np.asarray(seqs, dtype=np.int64)
-    arrivals = np.asarray(arrivals_ns, dtype=np.int64)
-    if stamps.size < 2:
-        return {"received": int(stamps.size), "expected": int(stamps.size), "lost": 0, "skipped": 0,
-                "jitter_ms": percentiles([]), "arrival_jitter_ms": percentiles([])}
-    origin = grid_origin(stamps, period_ns)
-    index = (stamps - origin) // period_ns
-    grid = origin + index * period_ns
-    by_grid = int(index[-1] - index[0]) + 1
-    by_arrival = int(round((arrivals[-1] - arrivals[0]) / period_ns)) + 1
-    published = int(seqs[-1] - seqs[0]) + 1
-    return {"received": int(stamps.size), "expected": max(by_grid, by_arrival), "lost": published - int(stamps.size),
-            "skipped": by_grid - published, "jitter_ms": percentiles((stamps - grid) / 1e6),
-            "arrival_jitter_ms": percentiles((arrivals - grid) / 1e6)}
 
 
 def missed_ticks(ticks: Mapping[str, Any], node_missed: int) -> int:
