@@ -18,6 +18,8 @@ from mcap_ros2.writer import Writer as Ros2Writer
 from vla_node.config import load_launch
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.drives.video import JpegEncoder
+from vla_node.fuzz.corpus import ROS_COMPRESSED_DEF as COMPRESSED_DEF
+from vla_node.fuzz.corpus import ROS_IMAGE_DEF as IMAGE_DEF
 from vla_node.node.process import NodeProcess, private_addresses
 from vla_node.wire.codec import CodecError
 from vla_node.wire.protocol import CameraSpec, ProtocolError, decode_command, decode_frame, encode_action, encode_health
@@ -140,34 +142,6 @@ class EchoNode(threading.Thread):
 
 
 # ---- small drives ---------------------------------------------------------------------------------------
-
-IMAGE_DEF = """std_msgs/Header header
-uint32 height
-uint32 width
-string encoding
-uint8 is_bigendian
-uint32 step
-uint8[] data
-================================================================================
-MSG: std_msgs/Header
-builtin_interfaces/Time stamp
-string frame_id
-================================================================================
-MSG: builtin_interfaces/Time
-int32 sec
-uint32 nanosec"""
-
-COMPRESSED_DEF = """std_msgs/Header header
-string format
-uint8[] data
-================================================================================
-MSG: std_msgs/Header
-builtin_interfaces/Time stamp
-string frame_id
-================================================================================
-MSG: builtin_interfaces/Time
-int32 sec
-uint32 nanosec"""
 
 T0 = 1_700_000_000_000_000_000
 

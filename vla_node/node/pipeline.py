@@ -69,14 +69,14 @@ class Pipeline:
         sched = self.scheduler
         if state is not None:
             self.state = state
-        if self._stale_view(frames, self.clock()):
+        now = self.clock()
+        if self._stale_view(frames, now):
             self.broker.withdraw(self.fallback_level)
             self.frames_stale_view += 1
             self.frames_skipped += 1
             return None
         changed = instruction is not None and instruction != self.instruction
         primary = frames[0]
-        now = self.clock()
         plan = sched.plan_frame(now, primary.stamp_ns, changed)
         knobs = plan.knobs
         if knobs.force_fallback:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from vla_node.node.publisher_link import LinkClosed, MessageReader, encode
-from vla_node.node.realtime import apply_affinity, rss_bytes
+from vla_node.node.realtime import apply_affinity, apply_fifo, rss_bytes
 from vla_node.sched.broker import ChunkBroker
 from vla_node.sched.clock import ControlClock
 from vla_node.wire.protocol import encode_action, encode_health
@@ -68,15 +68,9 @@ class PublisherSpec:
 
 
 def apply_realtime(spec: PublisherSpec) -> None:
-    """CPU affinity and SCHED_FIFO for this process, where permitted (before its sockets: their I/O thread inherits
-    them); a warning where not."""
+    """CPU affinity and SCHED_FIFO for this process (before its sockets: their I/O thread inherits them)."""
     apply_affinity(spec.cpu_affinity)
-    if spec.sched_fifo_priority:
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(spec.sched_fifo_priority))
-        except (OSError, AttributeError) as e:
-            log.warning("SCHED_FIFO priority %d not applied (needs CAP_SYS_NICE or an rtprio limit): %s",
-                        spec.sched_fifo_priority, e)
+    apply_fifo(spec.sched_fifo_priority)
 
 
 class Publisher:

@@ -19,12 +19,21 @@ def rss_bytes() -> int:
 
 
 def apply_affinity(cpus) -> None:
-    """CPU affinity for this process, where permitted; a warning where not (SCHED_FIFO: node/publisher.py)."""
+    """CPU affinity for this process, where permitted; a warning where not."""
     if cpus:
         try:
             os.sched_setaffinity(0, set(cpus))
         except (OSError, AttributeError) as e:
             log.warning("cpu_affinity %s not applied: %s", cpus, e)
+
+
+def apply_fifo(priority: int) -> None:
+    """SCHED_FIFO at `priority` for this process (0: leave as is), where permitted; a warning where not."""
+    if priority:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        except (OSError, AttributeError) as e:
+            log.warning("SCHED_FIFO priority %d not applied (needs CAP_SYS_NICE or an rtprio limit): %s", priority, e)
 
 
 def lower_thread_priority(nice: int) -> None:
