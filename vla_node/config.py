@@ -35,6 +35,9 @@ class ModelSection:
     preset: str = "small"  # tiny | small | base (ignored when checkpoint is set)
     checkpoint: str | None = None  # a checkpoint directory written by `vla-node init`
     seed: int = 0  # weights seed for a preset
+    # the action head of a preset: bins (256 bins per dim, decoded by the decoder) | flow (a flow-matching action
+    # expert, pi0 style); unset: bins, or the checkpoint's own (which must then agree)
+    action_head: str | None = None
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 | auto (bf16 on a GPU or a CPU with bf16 hardware, else fp32)
     # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | packed (bf16
     # compute on a CPU with bf16 hardware: prepacked for oneDNN, MLP activations fused) | auto (fp16 with fp32
@@ -57,6 +60,8 @@ class ModelSection:
     def __post_init__(self) -> None:
         if self.checkpoint is None:
             choose("model.preset", self.preset, PRESETS)
+        require(self.action_head in (None, "bins", "flow"), "model.action_head", self.action_head,
+                "'bins', 'flow' or unset")
         require(self.dtype in ("fp32", "bf16", "fp16", "auto"), "model.dtype", self.dtype, "fp32, bf16, fp16 or auto")
         require(self.weights in ("fp32", "fp16", "packed", "auto"), "model.weights", self.weights,
                 "'fp32', 'fp16', 'packed' or 'auto'")
@@ -131,8 +136,10 @@ class ModelSection:
             from vla_node.model.checkpoint import read_config
 
             config = read_config(self.checkpoint)
+            require(self.action_head in (None, config.action_head), "model.action_head", self.action_head,
+                    f"{config.action_head!r} (the head of checkpoint {self.checkpoint}) or unset")
         else:
-            config = PRESETS[self.preset]
+            config = PRESETS[self.preset].replace(action_head=self.action_head or "bins")
         return config if self.vision_frames is None else config.replace(vision_frames=self.vision_frames)
 
 

@@ -1,4 +1,5 @@
-"""Action head: 256 bins per dimension over a chunk of H steps x D dims (RT-2 / OpenVLA style)."""
+"""Action chunks, and the binned head: 256 bins per dimension over a chunk of H steps x D dims (RT-2 / OpenVLA style).
+The flow head (expert.py, flow.py) decodes continuous values: its chunks have no bins or logits."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from vla_node.model.tokenizer import BIN_BASE
 
 @dataclass(frozen=True)
 class ActionChunk:
-    actions: np.ndarray  # [H, D] float32, bin centres
-    bins: np.ndarray  # [H, D] int64
-    logits: torch.Tensor  # [H*D, vocab] at the action query positions (fp32)
+    actions: np.ndarray  # [H, D] float32: bin centres, or the flow head's continuous values
+    bins: np.ndarray | None  # [H, D] int64 (bins head; None: flow)
+    logits: torch.Tensor | None  # [H*D, vocab] at the action query positions, fp32 (bins head; None: flow)
+    denoising_steps: int | None = None  # the flow head's Euler steps (None: bins)
 
 
 def check_state(state, state_dim: int) -> torch.Tensor:

@@ -4,6 +4,7 @@
     DIR/decoder/               a transformers LlamaForCausalLM checkpoint (config.json + model.safetensors)
     DIR/vision/                a transformers SiglipVisionModel checkpoint (config.json + model.safetensors)
     DIR/heads.safetensors      projector, camera embedding, state projector
+    DIR/expert/model.safetensors   the flow head's action expert (action_head = "flow" only)
 
 Loading reads vla.json (bounded, UTF-8 JSON, validated fields), checks that the model it describes fits its weight
 files before building anything, then checks every tensor's name, shape, dtype and finiteness and names the
@@ -31,7 +32,12 @@ MAX_CONFIG_BYTES = 1 << 20  # vla.json is a few hundred bytes
 MAX_BUFFER_BYTES = 1 << 28  # tables a config implies beyond its weights (RoPE cos/sin per position): 256 MiB
 WEIGHT_SLACK = 4  # the weights a config implies may take at most 4x its weight files (+ 64 MiB) before loading
 PART_FILES = {"decoder": "decoder/model.safetensors", "vision": "vision/model.safetensors",
-              "heads": "heads.safetensors"}
+              "heads": "heads.safetensors", "expert": "expert/model.safetensors"}
+
+
+def part_files(config: ModelConfig) -> dict[str, str]:
+    """The weight files of a model of `config` (the expert's with the flow head only)."""
+    return {part: rel for part, rel in PART_FILES.items() if part != "expert" or config.action_head == "flow"}
 
 
 class CheckpointError(ValueError):
@@ -46,19 +52,21 @@ def one_line(e: BaseException) -> str:
 def _parts(model: VLA) -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
     """file (relative) -> the state dict stored there, with the names the file uses."""
     state = {k: v for k, v in model.state_dict().items()}
-    decoder = {k[len("decoder."):]: v for k, v in state.items() if k.startswith("decoder.")}
-    vision = {k[len("vision."):]: v for k, v in state.items() if k.startswith("vision.")}
-    heads = {k: v for k, v in state.items() if not k.startswith(("decoder.", "vision."))}
-    return {"decoder": (PART_FILES["decoder"], decoder), "vision": (PART_FILES["vision"], vision),
-            "heads": (PART_FILES["heads"], heads)}
+    parts = {}
+    for part, rel in part_files(model.config).items():
+        if part == "heads":
+            tensors = {k: v for k, v in state.items() if not k.startswith(("decoder.", "vision.", "expert."))}
+        else:
+            tensors = {k[len(part) + 1:]: v for k, v in state.items() if k.startswith(f"{part}.")}
+        parts[part] = (rel, tensors)
+    return parts
 
 
 def save_checkpoint(model: VLA, out: str | Path) -> Path:
     out = Path(out)
-    (out / "decoder").mkdir(parents=True, exist_ok=True)
-    (out / "vision").mkdir(parents=True, exist_ok=True)
     config = model.config
     for _, (rel, tensors) in _parts(model).items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / rel), metadata={"format": "pt"})
     (out / "decoder" / "config.json").write_text(json.dumps(hf_llama_config(config), indent=2))
     (out / "vision" / "config.json").write_text(json.dumps(hf_siglip_config(config), indent=2))
@@ -148,10 +156,11 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> VLA:
     vision_frames. Sizes are checked before anything is built (see _check_size)."""
     path = Path(path)
     config = read_config(path) if config is None else config
-    for rel in PART_FILES.values():
+    files = part_files(config)
+    for rel in files.values():
         if not (path / rel).is_file():
             raise CheckpointError(f"{path}: missing {rel}")
-    _check_size(path, config, [path / rel for rel in PART_FILES.values()])
+    _check_size(path, config, [path / rel for rel in files.values()])
     model = VLA(config)
     expected = _parts(model)
     loaded: dict[str, torch.Tensor] = {}

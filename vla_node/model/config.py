@@ -10,11 +10,16 @@ from typing import Literal
 from vla_node.validate import choose, is_number, require
 
 ActionDecode = Literal["parallel", "autoregressive"]
+ActionHead = Literal["bins", "flow"]
+FlowState = Literal["prefix", "suffix"]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of the VLA: SigLIP-style vision tower, projector, Llama-style decoder, binned action head.
+    """Shapes of the VLA: SigLIP-style vision tower, projector, Llama-style decoder, and an action head: `bins`
+    (256 bins per dim, decoded by the decoder) or `flow` (a flow-matching action expert, pi0 style: per decoder
+    layer its own weights at expert_hidden_size, the decoder's head geometry, integrating a velocity field over
+    flow_steps Euler steps; the state a prefix token as for bins, or a suffix token of the expert's block).
 
     Sequence layout (fixed positions per slot, so positions stay bounded in a node that runs for hours):
     text slots [0, max_text_tokens), then `vision_frames` frame slots of `num_cameras * tokens_per_camera`
@@ -51,12 +56,19 @@ class ModelConfig:
     action_low: tuple[float, ...] = (-1.0, -1.0)
     action_high: tuple[float, ...] = (1.0, 1.0)
     action_decode: ActionDecode = "parallel"
+    action_head: ActionHead = "bins"
+    # flow head: the action expert (its own width, the decoder's heads and head_dim) and its integrator
+    expert_hidden_size: int = 256
+    expert_intermediate_size: int = 768
+    flow_steps: int = 10
+    flow_state: FlowState = "prefix"
 
     def __post_init__(self) -> None:
         positive = (
             "image_size patch_size vision_width vision_layers vision_heads vision_mlp num_cameras hidden_size "
             "num_layers num_heads num_kv_heads intermediate_size max_text_tokens vision_frames state_slots "
-            "state_dim action_horizon action_dims action_bins"
+            "state_dim action_horizon action_dims action_bins expert_hidden_size expert_intermediate_size "
+            "flow_steps"
         ).split()
         for key in positive:
             value = getattr(self, key)
@@ -87,6 +99,9 @@ class ModelConfig:
             require(lo < hi, f"model.action_high[{i}]", hi, f"> action_low[{i}] = {lo}")
         require(self.action_decode in ("parallel", "autoregressive"), "model.action_decode",
                 self.action_decode, "'parallel' or 'autoregressive'")
+        require(self.action_head in ("bins", "flow"), "model.action_head", self.action_head, "'bins' or 'flow'")
+        require(self.flow_state in ("prefix", "suffix"), "model.flow_state", self.flow_state,
+                "'prefix' or 'suffix'")
 
     # derived sizes ---------------------------------------------------------------------------------
     @property
@@ -104,6 +119,11 @@ class ModelConfig:
     @property
     def action_tokens(self) -> int:
         return self.action_horizon * self.action_dims
+
+    @property
+    def flow_tokens(self) -> int:
+        """The action expert's block: the state token (flow_state = 'suffix'), then one token per horizon step."""
+        return self.action_horizon + (self.flow_state == "suffix")
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +146,7 @@ class ModelConfig:
 
     @property
     def max_positions(self) -> int:
-        return self.query_base + self.action_tokens
+        return self.query_base + max(self.action_tokens, self.flow_tokens)
 
     def vision_positions(self, frame_slot: int) -> range:
         start = self.vision_base + frame_slot * self.tokens_per_frame
@@ -142,17 +162,19 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", image_size=32, patch_size=16, vision_width=32, vision_layers=2, vision_heads=4,
         vision_mlp=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
         max_text_tokens=24, vision_frames=1, state_slots=2, action_horizon=4, action_dims=2,
+        expert_hidden_size=32, expert_intermediate_size=64,
     ),
-    # the CPU default: 224 px frames, 16 px patches, a ~25 M parameter decoder
+    # the CPU default: 224 px frames, 16 px patches, a ~25 M parameter decoder (a ~5 M parameter expert)
     "small": ModelConfig(name="small"),
     # ~0.5 B parameters, for GPUs
     "base": ModelConfig(
         name="base", image_size=224, patch_size=14, vision_width=768, vision_layers=12, vision_heads=12,
         vision_mlp=3072, hidden_size=1280, num_layers=24, num_heads=16, num_kv_heads=4,
-        intermediate_size=3456, max_text_tokens=64,
+        intermediate_size=3456, max_text_tokens=64, expert_hidden_size=640, expert_intermediate_size=1728,
     ),
 }
 
 
-def preset(name: str) -> ModelConfig:
-    return choose("model.preset", name, PRESETS)
+def preset(name: str, action_head: str = "bins") -> ModelConfig:
+    """A preset's shapes with either action head (the expert's width is in every preset: half the decoder's)."""
+    return choose("model.preset", name, PRESETS).replace(action_head=action_head)

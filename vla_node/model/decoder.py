@@ -57,34 +57,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The decoder's head geometry (heads, KV heads, head_dim) over a residual stream of `width` (the decoder's
+    hidden size, or the action expert's own)."""
+
+    def __init__(self, config: ModelConfig, width: int) -> None:
         super().__init__()
         hd = config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(width, config.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(width, config.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(width, config.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * hd, width, bias=False)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, width: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(width, intermediate, bias=False)
+        self.up_proj = nn.Linear(width, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """A decoder layer; with `width` and `intermediate`, an action expert's layer at its own width (the decoder's
+    head geometry, so that its queries attend over the decoder's K/V of the same layer)."""
+
+    def __init__(self, config: ModelConfig, width: int | None = None, intermediate: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        width = config.hidden_size if width is None else width
+        self.self_attn = LlamaAttention(config, width)
+        self.mlp = LlamaMLP(width, config.intermediate_size if intermediate is None else intermediate)
+        self.input_layernorm = RMSNorm(width, config.rms_eps)
+        self.post_attention_layernorm = RMSNorm(width, config.rms_eps)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> q [heads, T, hd], k and v [kv_heads, T, hd]; RoPE applied to q and k. With packed

@@ -1,8 +1,11 @@
-"""The VLA: vision tower -> projector (+ camera embedding) -> Llama decoder -> binned action head.
+"""The VLA: vision tower -> projector (+ camera embedding) -> Llama decoder -> action head: binned (the decoder's
+action queries) or flow (the action expert, expert.py, over the decoder's K/V).
 
 Block-causal sequence (fixed positions per slot, see ModelConfig):
     text (causal) | frame slots (each attends to text and its own frame) |
     state slots (each attends to text, all frames and itself) | action queries (all of the above, causal)
+With the flow head the action queries are replaced by the expert's block (its own weights, the same attention
+pattern over everything before it, bidirectional within the block).
 A frame's tokens never attend to another frame and a state token never to another state token, so each
 block's K/V depend only on the text and on itself: that is what lets the KV cache keep them across frames.
 """
@@ -16,6 +19,7 @@ from torch import nn
 
 from vla_node.model.config import ModelConfig
 from vla_node.model.decoder import Decoder
+from vla_node.model.expert import ActionExpert
 from vla_node.model.tokenizer import ACT, BIN_BASE
 from vla_node.model.vision import VisionTower
 
@@ -41,6 +45,7 @@ class VLA(nn.Module):
         self.camera_embedding = nn.Parameter(torch.zeros(config.num_cameras, config.hidden_size))
         self.state_proj = nn.Linear(config.state_dim, config.hidden_size)
         self.decoder = Decoder(config)
+        self.expert = ActionExpert(config) if config.action_head == "flow" else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,10 +116,13 @@ def block_causal_mask(n_text: int, frame_sizes: list[int], n_state: int, n_query
 
 
 def init_weights(model: VLA, seed: int) -> VLA:
-    """Seeded, deterministic init (same preset and seed -> identical weights in any process)."""
+    """Seeded, deterministic init (same preset and seed -> identical weights in any process). The action expert's
+    weights are drawn after everything else's, so that a flow model's vision tower and decoder are the bins model's
+    of the same preset and seed."""
     g = torch.Generator().manual_seed(seed)
+    named = sorted(model.named_parameters(), key=lambda item: (item[0].startswith("expert."), item[0]))
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
+        for name, p in named:
             if name.endswith("bias"):
                 p.zero_()
             elif p.ndim == 1 and ("norm" in name):

@@ -11,7 +11,8 @@ budget check that says stop raises StageAborted before anything is committed):
                               one pass over the weights for both), else right after the commit. Given the
                               ego state, it also decodes that tick in the frame's own pass where it can (see
                               update_vision): one pass over the decoder's weights for a frame and its action
-    action_tick(state)        per control decision: appends the state token, decodes an action chunk
+    action_tick(state)        per control decision: appends the state token, decodes an action chunk (the flow
+                              head's tick, its Euler steps over the cache: flow_tick.py)
 
 Block-causal order and fixed positions are the model's (see vla.py and ModelConfig): with every partition
 in fp32 and no eviction, this equals the reference policy (tests/unit/test_multirate.py).
@@ -34,8 +35,10 @@ from vla_node.kv.partition import KVPartition, PartitionSpec, resolve_device
 from vla_node.kv.prefix import PrefixBuffer
 from vla_node.kv.vision_memory import VisionMemory
 from vla_node.model.action_head import ActionBins, ActionChunk, check_state
+from vla_node.model.flow import ChunkGuide
 from vla_node.model.tokenizer import encode
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
+from vla_node.runtime.flow_tick import FlowTick
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.runtime.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
 
@@ -95,9 +98,10 @@ class _TickRows:
 
 class MultiRatePolicy:
     def __init__(self, model: VLA, cache: CacheConfig = CacheConfig(), dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", reuse: ReuseConfig = ReuseConfig()) -> None:
+                 device: str | torch.device = "cpu", reuse: ReuseConfig = ReuseConfig(), noise_seed: int = 0) -> None:
         self.device = resolve_device(device)
         self.reuse_config = reuse
+        self.noise_seed = noise_seed  # the flow head's: tick i starts from tick_noise(noise_seed, i)
         self.model = model.to(device=self.device, dtype=dtype)
         self.dtype = dtype
         with self.device:  # every buffer below is allocated on the device
@@ -153,7 +157,7 @@ class MultiRatePolicy:
         # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
         # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
         # _refresh_states recomputes them right after the commit.
-        self._fuse_states = self._prefix is not None and c.action_decode == "parallel"
+        self._fuse_states = self._prefix is not None and c.action_decode == "parallel" and c.action_head == "bins"
         self._states_stale = False
         # per count m of other valid states, the fused block's mask [1 + m + H*D, same]: the new state and each
         # recomputed state see themselves, the queries every state and, causally, each other
@@ -187,6 +191,7 @@ class MultiRatePolicy:
         self._tick_mask[0, 0] = True
         self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
+        self._flow = FlowTick(self) if c.action_head == "flow" else None
 
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
@@ -480,10 +485,17 @@ class MultiRatePolicy:
         self.action.write(valid, k_s, v_s, positions, 0)
 
     @on_device
-    def action_tick(self, state, check: Check | None = None) -> ActionChunk:
-        """Append the state token (ring slot) and decode an action chunk [H, D]; committed only at the end."""
+    def action_tick(self, state, check: Check | None = None, steps: int | None = None,
+                    guide: ChunkGuide | None = None) -> ActionChunk:
+        """Append the state token (ring slot) and decode an action chunk [H, D]; committed only at the end. The flow
+        head integrates `steps` Euler steps (default the model's flow_steps), guided toward `guide` (real-time
+        chunking) where given."""
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
+        if self._flow is not None:
+            return self._flow.tick(state, check, steps, guide)
+        if steps is not None or guide is not None:
+            raise ValueError(f"denoising steps {steps!r} / guide: the flow head's; this model's head is bins")
         c = self.config
         s = check_state(state, c.state_dim).to(self.device, self.dtype)
         slot = self.state_count % c.state_slots
