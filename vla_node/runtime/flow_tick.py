@@ -44,7 +44,7 @@ class FlowTick:
         policy.model.expert.requires_grad_(False)  # guidance differentiates the field w.r.t. x only
 
     def tick(self, state, check: "Check | None", steps: int | None, guide: ChunkGuide | None) -> ActionChunk:
-        from vla_node.runtime.policy import StageAborted, span
+        from vla_node.runtime.policy import MultiRatePolicy, StageAborted, span
 
         p, c, m = self.policy, self.config, self.policy.model
         steps = c.flow_steps if steps is None else steps
@@ -91,7 +91,7 @@ class FlowTick:
         actions = chunk.float().cpu().numpy()
         if prefix_state:  # every write checked before anything is committed
             p.action.check_tokens(k_s, v_s, position, 0)
-            p._commit_tick(slot, x_state, k_s, v_s, position, None)
+            MultiRatePolicy._commit_tick(p, slot, x_state, k_s, v_s, position, None)  # the eager books' commit
         else:
             p.state_count += 1
         return ActionChunk(actions, None, None, steps)

@@ -103,6 +103,8 @@ class SchedulerConfig:
     smaller_preset: str | None = None          # the smaller_engine step runs this preset ...
     smaller_recipe: str | None = None          # ... or this recipe of the same model (engine backends: "int8-ort");
                                                # the step exists only when one of them is set
+    denoising_steps: tuple[int, ...] = (5, 2)  # the flow head's fewer_denoising_steps levels (below its flow_steps)
+    real_time_chunking: bool = False           # flow head: guide each chunk toward the one being played (RTC)
 
     def __post_init__(self) -> None:
         for key in ("control_hz", "action_deadline_ms", "vision_deadline_ms", "text_deadline_ms",
@@ -137,6 +139,12 @@ class SchedulerConfig:
         require(isinstance(fractions, tuple) and fractions and all(is_number(f) and 0 < f < 1 for f in fractions)
                 and all(a > b for a, b in zip(fractions, fractions[1:])), "refresh_fractions", fractions,
                 "a non-empty tuple of decreasing fractions in (0, 1)")
+        steps = self.denoising_steps
+        require(isinstance(steps, tuple) and steps and all(is_int(n) and n >= 1 for n in steps)
+                and all(a > b for a, b in zip(steps, steps[1:])), "denoising_steps", steps,
+                "a non-empty tuple of decreasing integers >= 1")
+        require(isinstance(self.real_time_chunking, bool), "real_time_chunking", self.real_time_chunking,
+                "true or false")
         require(self.smaller_preset is None or (isinstance(self.smaller_preset, str) and self.smaller_preset != ""),
                 "smaller_preset", self.smaller_preset, "None or a preset name")
         require(self.smaller_recipe is None or self.smaller_recipe in ("fp32", "int8-ort", "int8-trt"),
