@@ -95,7 +95,7 @@ class Publisher:
             m = message
             self.broker.offer(m["chunk"], m["frame_seq"], m["frame_stamp_ns"], m["produced_ns"], m["level"],
                               m["timing_ms"], deadline_ns=m["deadline_ns"], tokens_refreshed=m["tokens_refreshed"],
-                              reuse_ratio=m["reuse_ratio"])
+                              reuse_ratio=m["reuse_ratio"], origin_ns=m.get("origin_ns"))
         elif kind == "withdraw":
             self.broker.withdraw(message["level"])
         elif kind == "status":

@@ -6,7 +6,7 @@
        expert's layers, every layer's queries attending over that decoder layer's cached text, vision and state K/V
        (read as the bins tick reads them: through the prefix buffer, INT8 dequantized once per commit, or the
        partitions' segments) and over the block's own K/V. Nothing is written to the partitions
-    3. commit: the state token into its ring slot (prefix), as the bins tick does
+    3. the policy commits the state token into its ring slot (prefix), as the bins tick does
 
 The noise is tick_noise(noise_seed, tick index): a replay draws the same chunk. With a ChunkGuide (real-time
 chunking) every step is guided (flow.py): its vector-Jacobian product needs autograd, which runs over a dense copy
@@ -16,7 +16,7 @@ keep).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -24,15 +24,13 @@ from vla_node.kv.attention import Segment, buffer_attention, fill_bias
 from vla_node.model.action_head import ActionChunk, check_state
 from vla_node.model.expert import block_mask, block_positions
 from vla_node.model.flow import ChunkGuide, integrate, tick_noise
-
-if TYPE_CHECKING:
-    from vla_node.runtime.policy import Check, MultiRatePolicy
+from vla_node.runtime.stages import Check, StageAborted, span
 
 
 class FlowTick:
-    """The flow tick's buffers and steps; `policy` owns the cache it reads."""
+    """The flow tick's buffers and steps; `policy` (the MultiRatePolicy that builds it) owns the cache it reads."""
 
-    def __init__(self, policy: "MultiRatePolicy") -> None:
+    def __init__(self, policy) -> None:
         self.policy = policy
         c = self.config = policy.config
         n = c.flow_tokens
@@ -43,9 +41,11 @@ class FlowTick:
         self.generator = torch.Generator()
         policy.model.expert.requires_grad_(False)  # guidance differentiates the field w.r.t. x only
 
-    def tick(self, state, check: "Check | None", steps: int | None, guide: ChunkGuide | None) -> ActionChunk:
-        from vla_node.runtime.policy import MultiRatePolicy, StageAborted, span
-
+    def tick(self, state, check: Check | None, steps: int | None, guide: ChunkGuide | None
+             ) -> tuple[ActionChunk, tuple | None]:
+        """The chunk, and what the policy's commit writes: (slot, the state's embedding [1, hidden], its K and V
+        [L, KV, 1, hd], its position [1]) for a prefix state, None for a suffix state (nothing in the ring). Every
+        write is checked before this returns."""
         p, c, m = self.policy, self.config, self.policy.model
         steps = c.flow_steps if steps is None else steps
         if not (isinstance(steps, int) and steps >= 1):
@@ -88,13 +88,11 @@ class FlowTick:
         noise = tick_noise(c.action_horizon, c.action_dims, p.noise_seed, p.state_count, self.generator, self.noise)
         chunk = integrate(velocity, noise.to(p.device, p.dtype), steps, guide, span(check, first, 1.0),
                           lambda i: StageAborted(f"stopped before denoising step {i}"))
-        actions = chunk.float().cpu().numpy()
-        if prefix_state:  # every write checked before anything is committed
-            p.action.check_tokens(k_s, v_s, position, 0)
-            MultiRatePolicy._commit_tick(p, slot, x_state, k_s, v_s, position, None)  # the eager books' commit
-        else:
-            p.state_count += 1
-        return ActionChunk(actions, None, None, steps)
+        result = ActionChunk(chunk.float().cpu().numpy(), None, None, steps)
+        if not prefix_state:
+            return result, None
+        p.action.check_tokens(k_s, v_s, position, 0)
+        return result, (slot, x_state, k_s, v_s, position)
 
     # --- the expert's attention -------------------------------------------------------------------------
     def _run_expert(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Callable) -> torch.Tensor:

@@ -40,9 +40,9 @@ from vla_node.model.tokenizer import encode
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.runtime.flow_tick import FlowTick
 from vla_node.runtime.reuse import ReuseConfig
+from vla_node.runtime.stages import Check, StageAborted, span
 from vla_node.runtime.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
 
-Check = Callable[[float], bool]  # called with the fraction of the stage done; False = stop now (out of budget)
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
 
 
@@ -55,18 +55,6 @@ def on_device(verb):
             return verb(self, *args, **kwargs)
 
     return wrapper
-
-
-class StageAborted(Exception):
-    """A stage stopped at a budget check; nothing was committed."""
-
-
-def span(check: Check | None, start: float, end: float) -> Check | None:
-    """The check of a part of a stage that runs from `start` to `end` of it: the part's own fraction done f is
-    passed on as start + (end - start) f, so that the fractions a stage reports only grow."""
-    if check is None:
-        return None
-    return lambda fraction: check(start + (end - start) * fraction)
 
 
 @dataclass(frozen=True)
@@ -493,7 +481,12 @@ class MultiRatePolicy:
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
         if self._flow is not None:
-            return self._flow.tick(state, check, steps, guide)
+            chunk, staged = self._flow.tick(state, check, steps, guide)
+            if staged is None:  # the state was the expert's suffix token: nothing in the ring
+                self.state_count += 1
+            else:
+                MultiRatePolicy._commit_tick(self, *staged, None)  # the eager books' commit (an EnginePolicy too)
+            return chunk
         if steps is not None or guide is not None:
             raise ValueError(f"denoising steps {steps!r} / guide: the flow head's; this model's head is bins")
         c = self.config

@@ -10,6 +10,11 @@ The inference worker `offer`s each action chunk
 
 A chunk produced after its frame's deadline is never `fresh`: its first tick is already `chunk`.
 
+Steps count from the chunk's origin: its production by default (a new chunk starts at its step 0), or the time
+its step 0 is for (`origin_ns`; real-time chunking: a chunk decoded from an observation at t plays its step
+(now - t) // period, the steps before it having been played from the previous chunk meanwhile). `fresh` is the
+first tick after an on-time offer, whichever step it plays.
+
 Chunks are copied into three preallocated slots (a triple buffer): the arrays of a TickOutput are read-only
 views that stay valid until the publisher's next call to `next()`, whatever the worker offers meanwhile.
 """
@@ -99,6 +104,7 @@ class ChunkBroker:
         self._fresh_pending = False
         self._withdrawn = False
         self._produced_ns = 0
+        self._origin_ns = 0
         self._frame_seq: int | None = None
         self._frame_stamp_ns: int | None = None
         self._level: int | None = None
@@ -120,9 +126,11 @@ class ChunkBroker:
 
     def offer(self, chunk: np.ndarray, frame_seq: int, frame_stamp_ns: int, produced_ns: int, level: int,
               timing_ms: Mapping[str, float] | None = None, deadline_ns: int | None = None,
-              tokens_refreshed: int | None = None, reuse_ratio: float | None = None) -> bool:
+              tokens_refreshed: int | None = None, reuse_ratio: float | None = None,
+              origin_ns: int | None = None) -> bool:
         """Hand over a decoded chunk [H, D] (copied). `deadline_ns`: the frame's own deadline (the plan's);
-        without it the chunk is late when produced more than late_after_ns after the frame's capture.
+        without it the chunk is late when produced more than late_after_ns after the frame's capture. `origin_ns`:
+        the time its step 0 is for (at most produced_ns; default produced_ns).
         A chunk with a non-finite value is counted and dropped (returns False). `timing_ms` is kept by
         reference: do not mutate it afterwards."""
         if getattr(chunk, "shape", None) != (self.horizon, self.dim):
@@ -130,6 +138,8 @@ class ChunkBroker:
                              f"({self.horizon}, {self.dim})")
         late = (produced_ns > deadline_ns) if deadline_ns is not None else \
             (produced_ns - frame_stamp_ns > self.late_after_ns)
+        if origin_ns is not None and not (isinstance(origin_ns, (int, np.integer)) and origin_ns <= produced_ns):
+            raise ValueError(f"ChunkBroker origin_ns = {origin_ns!r}: expected an integer <= produced_ns {produced_ns}")
         with self._lock:
             np.isfinite(chunk, out=self._finite)
             if not self._finite.all():
@@ -143,6 +153,7 @@ class ChunkBroker:
             self._fresh_pending = not late
             self._withdrawn = False
             self._produced_ns = produced_ns
+            self._origin_ns = produced_ns if origin_ns is None else int(origin_ns)
             self._frame_seq = frame_seq
             self._frame_stamp_ns = frame_stamp_ns
             self._level = level
@@ -179,14 +190,17 @@ class ChunkBroker:
             status = TickStatus.FALLBACK
             step = 0
             if slot is not None and not self._withdrawn:
-                elapsed = now_ns - self._produced_ns
+                elapsed = now_ns - self._origin_ns
                 step = elapsed // self.period_ns if elapsed > 0 else 0
-                if fresh and step == 0:
+                first = (now_ns - self._produced_ns) // self.period_ns <= 0  # within a period of production
+                if fresh and first and step < self.horizon:
                     status = TickStatus.FRESH
-                    # a tick due before the chunk was produced (the publisher woke late) plays its step 0: the
-                    # steps count from that tick, so the next one plays step 1, not step 0 again
-                    self._produced_ns = min(self._produced_ns, now_ns)
-                elif step < self.horizon and elapsed <= self.max_age_ns:
+                    # a tick due before the chunk was produced (the publisher woke late) plays the chunk's first
+                    # step: the steps count from that tick, so the next one plays the step after it, not it again
+                    early = max(0, self._produced_ns - now_ns)
+                    self._produced_ns -= early
+                    self._origin_ns -= early
+                elif step < self.horizon and now_ns - self._produced_ns <= self.max_age_ns:
                     status = TickStatus.CHUNK
             self.ticks[status] += 1
             if status is TickStatus.FALLBACK:

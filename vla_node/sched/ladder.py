@@ -5,6 +5,7 @@ reorder them):
 
     raise_reuse_threshold   vision reuse threshold x2, then x4 (one level per scale)
     cap_refreshed_tokens    at most 50%, then 25% of the vision tokens refreshed (one level per fraction)
+    fewer_denoising_steps   the flow head's tick in fewer Euler steps, e.g. 10 -> 5 -> 2 (one level per count)
     skip_vision             no vision update this frame: act on the cached vision partition
     smaller_engine          run the smaller preset's engine (its own caches, its own normal knobs)
     chunk                   no inference this frame: keep playing out the current action chunk
@@ -13,7 +14,8 @@ reorder them):
 Knobs accumulate up to `skip_vision` (a cap level keeps the largest reuse scale). `smaller_engine` is a
 separate, complete pipeline: it runs text, vision and action on the smaller engine with normal knobs, so the
 vehicle keeps seeing while overloaded. A step whose feature the node lacks is skipped (`features`), and
-`smaller_engine` exists only when a smaller preset is configured.
+`smaller_engine` exists only when a smaller preset is configured, `fewer_denoising_steps` only for the flow head
+(given its step counts).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vla_node.validate import ConfigError, choose, did_you_mean, require
 NORMAL = "normal"
 RAISE_REUSE_THRESHOLD = "raise_reuse_threshold"
 CAP_REFRESHED_TOKENS = "cap_refreshed_tokens"
+FEWER_DENOISING_STEPS = "fewer_denoising_steps"
 SKIP_VISION = "skip_vision"
 SMALLER_ENGINE = "smaller_engine"
 CHUNK = "chunk"
@@ -34,7 +37,7 @@ FALLBACK = "fallback"
 
 # The full ladder in its only allowed order; also the default.
 LADDER_STEPS: tuple[str, ...] = (
-    RAISE_REUSE_THRESHOLD, CAP_REFRESHED_TOKENS, SKIP_VISION, SMALLER_ENGINE, CHUNK, FALLBACK,
+    RAISE_REUSE_THRESHOLD, CAP_REFRESHED_TOKENS, FEWER_DENOISING_STEPS, SKIP_VISION, SMALLER_ENGINE, CHUNK, FALLBACK,
 )
 
 # Which node feature each step needs; `fallback` needs none. A feature missing from `features` is present.
@@ -54,6 +57,7 @@ class Knobs:
 
     reuse_threshold_scale: float = 1.0   # multiplies the vision reuse threshold (>= 1: fewer refreshes)
     max_refresh_fraction: float = 1.0    # at most this fraction of vision tokens refreshed, in (0, 1]
+    denoising_steps: int | None = None   # the flow head's Euler steps per tick (None: the model's flow_steps)
     run_vision: bool = True              # False: act on the cached vision partition
     use_smaller_engine: bool = False     # run the smaller preset's engine instead of the main one
     run_inference: bool = True           # False: no stage runs this frame
@@ -64,6 +68,8 @@ class Knobs:
                 "Knobs.reuse_threshold_scale", self.reuse_threshold_scale, "a finite number >= 1")
         require(0.0 < self.max_refresh_fraction <= 1.0, "Knobs.max_refresh_fraction",
                 self.max_refresh_fraction, "a fraction in (0, 1]")
+        require(self.denoising_steps is None or (isinstance(self.denoising_steps, int) and self.denoising_steps >= 1),
+                "Knobs.denoising_steps", self.denoising_steps, "None or an integer >= 1")
         require(not (self.force_fallback and self.run_inference), "Knobs.force_fallback", self.force_fallback,
                 "False while run_inference is True")
         require(self.run_inference or not (self.run_vision or self.use_smaller_engine), "Knobs.run_inference",
@@ -117,12 +123,14 @@ def build_levels(
     smaller_engine: bool = False,
     reuse_threshold_scales: Sequence[float] = (2.0, 4.0),
     refresh_fractions: Sequence[float] = (0.5, 0.25),
+    denoising_steps: Sequence[int] = (),
 ) -> tuple[Level, ...]:
-    """The levels in order, level 0 = normal. `smaller_engine` says whether a smaller preset is configured."""
+    """The levels in order, level 0 = normal. `smaller_engine` says whether a smaller preset is configured;
+    `denoising_steps`: the flow head's step counts of fewer_denoising_steps (none: no such level)."""
     check_ladder("ladder", ladder)
     flags = check_features(features)
     levels = [Level(0, NORMAL, NORMAL, Knobs())]
-    scale, fraction = 1.0, 1.0  # accumulated through the vision levels
+    scale, fraction, steps = 1.0, 1.0, None  # accumulated up to skip_vision
 
     def add(step: str, name: str, knobs: Knobs) -> None:
         levels.append(Level(len(levels), step, name, knobs))
@@ -140,8 +148,14 @@ def build_levels(
                 add(step, f"{step} {_percent(step_fraction)}",
                     Knobs(reuse_threshold_scale=scale, max_refresh_fraction=step_fraction))
                 fraction = step_fraction
+        elif step == FEWER_DENOISING_STEPS:
+            for count in denoising_steps:
+                add(step, f"{step} {count}", Knobs(reuse_threshold_scale=scale, max_refresh_fraction=fraction,
+                                                   denoising_steps=count))
+                steps = count
         elif step == SKIP_VISION:
-            add(step, step, Knobs(reuse_threshold_scale=scale, max_refresh_fraction=fraction, run_vision=False))
+            add(step, step, Knobs(reuse_threshold_scale=scale, max_refresh_fraction=fraction, denoising_steps=steps,
+                                  run_vision=False))
         elif step == SMALLER_ENGINE:
             if smaller_engine:
                 add(step, step, Knobs(use_smaller_engine=True))

@@ -41,7 +41,8 @@ deadline when planned is `stale`: nothing runs and the level does not move.
 Costs are kept per stage variant, because the knobs change them: "text", "action", "vision@<level>" (the main
 engine's vision at each vision level), "vision_full" (a full refresh, which an instruction change forces: the
 text partition precedes vision, so a text change invalidates it), and "small_text", "small_vision",
-"small_action" for the smaller engine. Priors come from the node (preset figures or warm-up measurements):
+"small_action" for the smaller engine, "action@<steps>" for the flow head's tick in fewer denoising steps (its prior
+the action's times (steps + 1) / (flow_steps + 1): the state's decoder pass costs about a step). Priors come from the node (preset figures or warm-up measurements):
 "vision" is a full refresh, and "vision@<level>" starts from it times the level's refresh cap. A variant without
 samples is estimated from its prior times the measured / prior ratio of its most recently sampled sibling (the
 same stage at other knobs or on the other engine), else times the load factor: that ratio for the action stage,
@@ -222,11 +223,13 @@ class Scheduler:
     features exist, e.g. {"reuse": False}; see vla_node.sched.ladder.FEATURES."""
 
     def __init__(self, config: SchedulerConfig, prior_ms: Mapping[str, float],
-                 features: Mapping[str, bool] | None = None) -> None:
+                 features: Mapping[str, bool] | None = None, flow_steps: int | None = None) -> None:
         self.config = config
+        fewer = () if flow_steps is None else tuple(n for n in config.denoising_steps if n < flow_steps)
         self.levels: tuple[Level, ...] = build_levels(
             config.ladder, features=features, smaller_engine=config.smaller_engine,
-            reuse_threshold_scales=config.reuse_threshold_scales, refresh_fractions=config.refresh_fractions)
+            reuse_threshold_scales=config.reuse_threshold_scales, refresh_fractions=config.refresh_fractions,
+            denoising_steps=fewer)
         self._top = len(self.levels) - 1
         has_small = any(level.knobs.use_smaller_engine for level in self.levels)
         priors = self._check_priors(prior_ms, has_small)
@@ -246,7 +249,11 @@ class Scheduler:
                 vision_key = f"vision@{level.index}" if knobs.run_vision else None
                 if vision_key is not None:
                     cost_priors[vision_key] = round(priors["vision"] * knobs.max_refresh_fraction)
-                keys = (None, vision_key, "action")
+                action_key = "action"
+                if knobs.denoising_steps is not None:  # the state's decoder pass costs about one step
+                    action_key = f"action@{knobs.denoising_steps}"
+                    cost_priors[action_key] = round(priors["action"] * (knobs.denoising_steps + 1) / (flow_steps + 1))
+                keys = (None, vision_key, action_key)
             self._keys.append(keys)
             self._keys_text.append(text_keys)
         if has_small:
@@ -257,7 +264,7 @@ class Scheduler:
         self._families = {  # keys whose costs move together (the same stage, other knobs or engine)
             "text": tuple(k for k in cost_priors if k in ("text", "small_text")),
             "vision": tuple(k for k in cost_priors if k.startswith("vision@") or k == "small_vision"),
-            "action": tuple(k for k in cost_priors if k in LOAD_KEYS),
+            "action": tuple(k for k in cost_priors if k in LOAD_KEYS or k.startswith("action@")),
         }
         self._prior_scale = {key: 1.0 for key in cost_priors}
         self._highest_inference = max(level.index for level in self.levels if level.knobs.run_inference)
