@@ -62,14 +62,40 @@ def test_report_has_exactly_the_documented_keys():
         "drive", "model", "backend", "recipe", "frames_sent", "frames_processed", "frames_dropped", "actions",
         "control_hz",
         "deadline_ms", "latency_ms", "control_jitter_ms", "deadline_misses", "status_counts", "degrade_levels",
-        "vision_reuse_ratio", "kv_bytes", "startup_s",
+        "vision_reuse_ratio", "kv_bytes", "startup_s", "head", "denoising_steps_mean", "chunk_boundaries",
+        "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation",
     }
     assert report["startup_s"] is None  # meta() names no node start
+    assert report["head"] is None and report["denoising_steps_mean"] is None  # no head in health, no flow chunks
     assert set(report["latency_ms"]) == {"p50", "p90", "p99", "max"}
     assert set(report["control_jitter_ms"]) == {"p50", "p99", "max"}
     assert set(report["status_counts"]) == {"fresh", "chunk", "fallback"}
     assert set(report["kv_bytes"]) == {"text", "vision", "action"}
     assert (report["drive"], report["model"], report["backend"]) == ("drives/test.mcap", "tiny", "torch")
+
+
+def played(seq: int, frame_seq: int, chunk: list, step: int, status: str = "chunk", steps: int | None = None):
+    """A tick that played step `step` of `chunk` (the chunk of frame `frame_seq`)."""
+    stamp = T0 + seq * 20 * MS
+    return ActionRecord(stamp, stamp, seq, status, 0, frame_seq, stamp, {}, None, None, None,
+                        action=tuple(chunk[step]), chunk=tuple(map(tuple, chunk)), step=step, denoising_steps=steps)
+
+
+def test_chunk_continuity_separates_the_jump_at_a_boundary_from_the_chunks_own_steps():
+    """Chunk A (frame 0) plays steps 0, 1; chunk B (frame 1) takes over at tick 2 playing its step 1. Within A the
+    action moves by 1; at the boundary it moves from A[1] = 1 to B[1] = 5 (a jump of 4), where A had planned
+    A[2] = 2 (a deviation of 3). A fallback tick and a gap in seq form no pair."""
+    a = [[0.0, 0.0], [1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
+    b = [[9.0, 0.0], [5.0, 0.0], [6.0, 0.0], [7.0, 0.0]]
+    records = [played(0, 0, a, 0, "fresh", 10), played(1, 0, a, 1), played(2, 1, b, 1, "fresh", 5),
+               played(3, 1, b, 2), played(5, 2, a, 0, "fresh", 10)]
+    report = build_report([frame(0, 10.0)], records, meta())
+    assert report["chunk_boundaries"] == 1 and report["chunk_boundary_jump"] == pytest.approx(4.0)
+    assert report["chunk_boundary_deviation"] == pytest.approx(3.0)
+    assert report["chunk_step_within"] == pytest.approx(1.0)
+    assert report["denoising_steps_mean"] == 8.333  # fresh chunks of 10, 5 and 10 steps (rounded to 3 places)
+    empty = build_report([frame(0, 10.0)], ticks(3), meta(health={"head": "bins"}))
+    assert empty["chunk_boundaries"] == 0 and empty["chunk_boundary_jump"] is None
 
 
 def test_latency_percentiles_match_hand_computed_values():

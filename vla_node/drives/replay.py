@@ -353,7 +353,8 @@ def _write_replay_report(reader: DriveReader, config: NodeConfig, result: Stream
                    model=str(health.get("model", config.model.checkpoint or config.model.preset)),
                    backend=_backend(health, config), control_hz=config.scheduler.control_hz,
                    deadline_ms=config.scheduler.vision_deadline_ms, health=health,
-                   recipe=str(health.get("recipe", "unknown")), startup_s=startup_s)
+                   recipe=str(health.get("recipe", "unknown")), startup_s=startup_s,
+                   head=health.get("head") if isinstance(health.get("head"), str) else None)
     report = build_report(frames, actions, meta)
     json_path, html_path = write_report(report, frames, actions, out)
     if on_records is not None:

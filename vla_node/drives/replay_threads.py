@@ -27,7 +27,9 @@ def action_record(msg: Mapping[str, Any], recv_ns: int) -> ActionRecord:
         recv_ns=recv_ns, stamp_ns=msg["stamp_ns"], seq=msg["seq"], status=msg["status"], level=msg["level"],
         frame_seq=msg["frame_seq"], frame_stamp_ns=msg["frame_stamp_ns"], timing_ms=msg["timing_ms"],
         tokens_refreshed=msg.get("tokens_refreshed"), reuse_ratio=msg.get("reuse_ratio"),
-        kv_bytes=msg.get("kv_bytes"),
+        kv_bytes=msg.get("kv_bytes"), action=tuple(msg["action"]),
+        chunk=tuple(tuple(row) for row in msg["chunk"]) if msg["chunk"] else None, step=msg.get("step"),
+        denoising_steps=msg.get("denoising_steps"),
     )
 
 

@@ -192,8 +192,9 @@ class FaultyPolicy:
             self.faults.after("action")
         return update
 
-    def action_tick(self, state, check=None):
-        return self.faults.run("action", lambda c: self.wrapped.action_tick(state, c), check)
+    def action_tick(self, state, check=None, **flow):
+        """`flow`: the flow head's steps and guide, passed on."""
+        return self.faults.run("action", lambda c: self.wrapped.action_tick(state, c, **flow), check)
 
 
 def with_faults(policy, clock: Callable[[], int] = time.monotonic_ns, environ=os.environ):

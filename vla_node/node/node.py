@@ -79,6 +79,8 @@ class Node:
             "model": model.checkpoint or model.preset, "backend": self.backend.backend,
             "recipe": self.backend.recipe, "backend_skipped": list(self.backend.skipped),
             "device": model.device, "dtype": model.resolved_dtype, "weights": model.resolved_weights,
+            "head": self.pipeline.policy.config.action_head,
+            "real_time_chunking": self.pipeline.chunking is not None,
         })
         error: BaseException | None = None
         reason = "error"

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vla_node.config import NodeConfig
+from vla_node.node.chunking import RealTimeChunking
 from vla_node.node.faults import with_faults
 from vla_node.node.policies import BackendChoice, build_policies
 from vla_node.node.warmup import warm_up
@@ -43,7 +44,10 @@ class Pipeline:
         # costs and checks see the work done, not the work queued.
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         policies = {"": policy} if small is None else {"": policy, "small_": small}
-        self.priors = warm_up(policies, config.model.instruction, self.state, self.sync, warm_up_rounds)
+        self.flow = c.action_head == "flow"
+        self.priors = warm_up(policies, config.model.instruction, self.state, self.sync, warm_up_rounds,
+                              denoising_steps=config.scheduler.denoising_steps if self.flow else (),
+                              guided=self.flow and config.scheduler.real_time_chunking)
         self.policy = with_faults(policy, clock)
         self.small = None if small is None else with_faults(small, clock)
         self.instruction = config.model.instruction  # what every policy's text partition holds after the warm-up
@@ -52,7 +56,12 @@ class Pipeline:
         self.broker = broker if broker is not None else config.scheduler.broker(c.action_horizon, c.action_dims)
         features = {"reuse": True, "refresh_cap": True, "vision_cache": True, "smaller_engine": small is not None,
                     "chunk": c.action_horizon > 1}
-        self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features)
+        self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features,
+                                   flow_steps=c.flow_steps if self.flow else None)
+        sched_config = config.scheduler
+        self.chunking = RealTimeChunking(c.action_horizon, c.action_dims, sched_config.period_ns) \
+            if self.flow and sched_config.real_time_chunking else None
+        self._origin_ns: int | None = None  # the last tick's chunk: the time its step 0 is for (chunking)
         self.frames_processed = 0
         self.frames_skipped = 0  # planned stale, at a level that runs no inference, or with a dead camera's view
         # A camera whose newest frame was captured longer ago than this is dead (health's camera timeout): no
@@ -71,7 +80,7 @@ class Pipeline:
             self.state = state
         now = self.clock()
         if self._stale_view(frames, now):
-            self.broker.withdraw(self.fallback_level)
+            self._withdraw(self.fallback_level)
             self.frames_stale_view += 1
             self.frames_skipped += 1
             return None
@@ -80,7 +89,7 @@ class Pipeline:
         plan = sched.plan_frame(now, primary.stamp_ns, changed)
         knobs = plan.knobs
         if knobs.force_fallback:
-            self.broker.withdraw(plan.level)
+            self._withdraw(plan.level)
         if plan.stale or not knobs.run_inference:
             self.frames_skipped += 1
             sched.finish_frame(self.clock(), primary.stamp_ns, plan.budget.outcome())
@@ -128,17 +137,37 @@ class Pipeline:
                 chunk = update.chunk
                 budget.done_within("action", "vision")
             else:
-                chunk = run("action", lambda check: policy.action_tick(self.state, check))
+                chunk = run("action", lambda check: self._tick(policy, knobs.denoising_steps, budget, check))
         outcome = budget.outcome()
         if chunk is not None:
             timing = outcome.timing_ms()
             timing["total"] = (self.clock() - now) / 1e6
+            origin = None
+            if self.chunking is not None:
+                origin = self._origin_ns
+                self.chunking.offered(chunk.actions, origin)
             self.broker.offer(chunk.actions, primary.seq, primary.stamp_ns, self.clock(), plan.level, timing,
                               deadline_ns=plan.deadline_ns, tokens_refreshed=tokens_refreshed,
-                              reuse_ratio=reuse_ratio)
+                              reuse_ratio=reuse_ratio, origin_ns=origin, denoising_steps=chunk.denoising_steps)
         self.frames_processed += 1
         sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
         return plan
+
+    def _tick(self, policy: MultiRatePolicy, steps: int | None, budget, check):
+        """The action stage. Flow head: `steps` Euler steps (the level's; None: the model's), and with real-time
+        chunking the guide toward the chunk being played, the chunk's steps counted from this stage's start."""
+        if not self.flow:
+            return policy.action_tick(self.state, check)
+        start = self.clock()
+        guide = None if self.chunking is None else self.chunking.guide(start, budget.estimate("action"))
+        chunk = policy.action_tick(self.state, check, steps=steps, guide=guide)
+        self._origin_ns = start
+        return chunk
+
+    def _withdraw(self, level: int) -> None:
+        self.broker.withdraw(level)
+        if self.chunking is not None:
+            self.chunking.withdrawn()
 
     def _stale_view(self, frames: list[Frame], now: int) -> bool:
         """Whether a camera other than the primary (whose new frame is the reason to run) last sent a frame captured

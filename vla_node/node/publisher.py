@@ -95,7 +95,8 @@ class Publisher:
             m = message
             self.broker.offer(m["chunk"], m["frame_seq"], m["frame_stamp_ns"], m["produced_ns"], m["level"],
                               m["timing_ms"], deadline_ns=m["deadline_ns"], tokens_refreshed=m["tokens_refreshed"],
-                              reuse_ratio=m["reuse_ratio"], origin_ns=m.get("origin_ns"))
+                              reuse_ratio=m["reuse_ratio"], origin_ns=m.get("origin_ns"),
+                              denoising_steps=m.get("denoising_steps"))
         elif kind == "withdraw":
             self.broker.withdraw(message["level"])
         elif kind == "status":
@@ -167,6 +168,8 @@ class Publisher:
             status=out.status.value, level=self._level(out.level),
             action=out.action.tolist(), chunk=[] if out.chunk is None else out.chunk.tolist(),
             timing_ms=dict(out.timing_ms or {}), tokens_refreshed=out.tokens_refreshed, reuse_ratio=out.reuse_ratio,
+            **({} if out.step is None else {"step": out.step}),
+            **({} if out.denoising_steps is None else {"denoising_steps": out.denoising_steps}),
         ))
         self.seq += 1
 

@@ -121,13 +121,13 @@ class PublisherLink:
     def offer(self, chunk: np.ndarray, frame_seq: int, frame_stamp_ns: int, produced_ns: int, level: int,
               timing_ms: Mapping[str, float] | None = None, deadline_ns: int | None = None,
               tokens_refreshed: int | None = None, reuse_ratio: float | None = None,
-              origin_ns: int | None = None) -> bool:
+              origin_ns: int | None = None, denoising_steps: int | None = None) -> bool:
         """ChunkBroker.offer, in the publisher process (it checks the shape and finiteness and counts rejects)."""
         self._send({"t": "offer", "chunk": np.ascontiguousarray(chunk, np.float32), "frame_seq": frame_seq,
                     "frame_stamp_ns": frame_stamp_ns, "produced_ns": produced_ns, "level": level,
                     "timing_ms": None if timing_ms is None else {str(k): float(v) for k, v in timing_ms.items()},
                     "deadline_ns": deadline_ns, "tokens_refreshed": tokens_refreshed, "reuse_ratio": reuse_ratio,
-                    "origin_ns": origin_ns})
+                    "origin_ns": origin_ns, "denoising_steps": denoising_steps})
         return True
 
     def withdraw(self, level: int) -> None:

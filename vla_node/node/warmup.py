@@ -7,7 +7,9 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 
+from vla_node.model.flow import ChunkGuide
 from vla_node.runtime.policy import MultiRatePolicy
 
 log = logging.getLogger(__name__)
@@ -15,7 +17,8 @@ FRAME_SIZE = (240, 320)  # any size works: frames are resized to the model input
 
 
 def warm_up(policies: dict[str, MultiRatePolicy], instruction: str, state: np.ndarray, sync: Callable[[], None],
-            rounds: int = 2, seed: int = 1) -> dict[str, float]:
+            rounds: int = 2, seed: int = 1, denoising_steps: tuple[int, ...] = (), guided: bool = False
+            ) -> dict[str, float]:
     """Run each policy's stages (key prefix -> policy, e.g. {"": main, "small_": smaller}) once untimed (first calls
     pay one-off costs: allocator growth, CUDA's lazy kernel and library loading, hundreds of ms on a GPU), then
     `rounds` times timed; a stage's prior (ms) is its slowest timed run. The vision stage runs as the node's frames
@@ -40,5 +43,11 @@ def warm_up(policies: dict[str, MultiRatePolicy], instruction: str, state: np.nd
             timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * cameras),
                                                                   state=state), i == 0)
             timed(prefix + "action", lambda: policy.action_tick(state), i == 0)
+        for steps in denoising_steps:
+            policy.action_tick(state, steps=steps)
+        if guided:
+            c = policy.config
+            policy.action_tick(state, guide=ChunkGuide(torch.zeros(c.action_horizon, c.action_dims), 1,
+                                                       c.action_horizon))
     log.info("warm-up priors (ms): %s", {k: round(v, 1) for k, v in priors.items()})
     return priors

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vla_node.report.continuity import chunk_continuity
 from vla_node.report.html import PlotSeries, render_html
 from vla_node.validate import ConfigError, did_you_mean, is_int, is_number
 
@@ -39,7 +40,9 @@ COUNT_KEYS = ("frames_sent", "frames_processed", "frames_dropped", "actions", "d
 NUMBER_KEYS = ("control_hz", "deadline_ms")
 NULLABLE_NUMBER_KEYS = ("vision_reuse_ratio",)
 # keys a report may lack (written by later versions: an older report still loads and compares)
-OPTIONAL_KEYS = ("startup_s",)
+CONTINUITY_KEYS = ("chunk_boundaries", "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation")
+OPTIONAL_KEYS = ("startup_s", "head", "denoising_steps_mean", *CONTINUITY_KEYS)
+OPTIONAL_STRING_KEYS = ("head",)  # a string or null; the other optional keys are numbers or null
 
 
 class ReportError(ValueError):
@@ -86,8 +89,15 @@ class ActionRecord:
     tokens_refreshed: int | None
     reuse_ratio: float | None
     kv_bytes: Mapping[str, int] | None
+    action: tuple[float, ...] | None = None  # the published action [D] (None: not kept)
+    chunk: tuple[tuple[float, ...], ...] | None = None  # its chunk [H][D] (None: fallback, or not kept)
+    step: int | None = None  # the chunk's step this tick played
+    denoising_steps: int | None = None  # the flow head's Euler steps for the chunk
 
     def __post_init__(self) -> None:
+        _check(self.step is None or is_int(self.step), "ActionRecord.step", self.step, "an integer or None")
+        _check(self.denoising_steps is None or is_int(self.denoising_steps), "ActionRecord.denoising_steps",
+               self.denoising_steps, "an integer or None")
         _check(is_int(self.recv_ns), "ActionRecord.recv_ns", self.recv_ns, "integer ns")
         _check(is_int(self.stamp_ns), "ActionRecord.stamp_ns", self.stamp_ns, "integer ns")
         _check(is_int(self.seq), "ActionRecord.seq", self.seq, "an integer")
@@ -121,6 +131,7 @@ class RunMeta:
     deadline_ms: float
     health: Mapping[str, Any]
     recipe: str = "unknown"  # the backend's recipe (engines: fp32, int8-ort ...; torch: its linear weights)
+    head: str | None = None  # the action head (bins | flow), from the node's health
     startup_s: float | None = None  # node launch -> its first fresh action (None: the node was already running)
 
     def __post_init__(self) -> None:
@@ -222,6 +233,7 @@ def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord],
     for action in actions:
         level_counts[str(action.level)] += 1
     ratios = [a.reuse_ratio for a in actions if a.status == "fresh" and a.reuse_ratio is not None]
+    steps = [a.denoising_steps for a in actions if a.status == "fresh" and a.denoising_steps is not None]
     return {
         "drive": meta.drive,
         "model": meta.model,
@@ -241,6 +253,9 @@ def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord],
         "vision_reuse_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
         "kv_bytes": _kv_bytes(actions, meta.health),
         "startup_s": None if meta.startup_s is None else round(float(meta.startup_s), 3),
+        "head": meta.head,
+        "denoising_steps_mean": round(float(np.mean(steps)), 3) if steps else None,
+        **chunk_continuity(actions),
     }
 
 
@@ -321,7 +336,12 @@ def format_summary(report: Mapping[str, Any]) -> str:
         ("vision reuse ratio", _fmt(report["vision_reuse_ratio"], 3)),
         ("kv bytes", ", ".join(f"{k} {human_bytes(kv[k])}" for k in KV_PARTITIONS)),
         ("startup s", _fmt(report.get("startup_s"), 2) + "  (launch -> first fresh action)"),
+        ("chunk boundaries", f"{report.get('chunk_boundaries', '-')}: jump {_fmt(report.get('chunk_boundary_jump'))}, "
+                             f"deviation {_fmt(report.get('chunk_boundary_deviation'))} (within a chunk "
+                             f"{_fmt(report.get('chunk_step_within'))})"),
     ]
+    if report.get("head") == "flow":
+        rows.append(("head / denoising steps", f"flow / {_fmt(report.get('denoising_steps_mean'), 2)} per chunk"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -339,6 +359,8 @@ COMPARED = (
     ("vision reuse ratio", ("vision_reuse_ratio",)),
     *((f"kv bytes {k}", ("kv_bytes", k)) for k in KV_PARTITIONS),
     ("startup s", ("startup_s",)),
+    ("chunk boundary jump", ("chunk_boundary_jump",)),
+    ("chunk boundary deviation", ("chunk_boundary_deviation",)),
 )
 
 
@@ -429,6 +451,10 @@ def load_report(path: str | os.PathLike) -> dict:
     if not isinstance(report, dict):
         raise ReportError(f"{name}: expected a JSON object at the top level, got {type(report).__name__}")
     _validate_keys(name, report, REPORT_KEYS, "", OPTIONAL_KEYS)
+    for key in OPTIONAL_STRING_KEYS:
+        if key in report:
+            _validate_value(name, key, report[key], report[key] is None or isinstance(report[key], str),
+                            "a string or null")
     for key, inner in NESTED_KEYS.items():
         table = report[key]
         _validate_value(name, key, table, isinstance(table, dict), "an object")
@@ -446,7 +472,8 @@ def load_report(path: str | os.PathLike) -> dict:
         _validate_value(name, key, value, is_int(value) and value >= 0, "an integer >= 0")
     for key in NUMBER_KEYS:
         _validate_value(name, key, report[key], is_number(report[key], finite=False), "a number")
-    for key in (*NULLABLE_NUMBER_KEYS, *(k for k in OPTIONAL_KEYS if k in report)):
+    numbers = [k for k in OPTIONAL_KEYS if k in report and k not in OPTIONAL_STRING_KEYS]
+    for key in (*NULLABLE_NUMBER_KEYS, *numbers):
         value = report[key]
         _validate_value(name, key, value, value is None or is_number(value, finite=False), "a number or null")
     levels = report["degrade_levels"]

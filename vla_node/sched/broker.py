@@ -54,6 +54,7 @@ class TickOutput:
     timing_ms: Mapping[str, float] | None
     tokens_refreshed: int | None          # vision tokens the chunk's frame recomputed (None: no vision update)
     reuse_ratio: float | None             # the fraction of that frame's vision tokens reused
+    denoising_steps: int | None = None    # the flow head's Euler steps for the chunk (None: bins, or no chunk)
 
 
 def _check_positive(key: str, value: object) -> None:
@@ -111,6 +112,7 @@ class ChunkBroker:
         self._timing_ms: Mapping[str, float] | None = None
         self._tokens_refreshed: int | None = None
         self._reuse_ratio: float | None = None
+        self._denoising_steps: int | None = None
         self._status: Mapping | None = None   # the worker's latest figures for health, and when they were taken
         self._status_ns = 0
         self.offered = 0
@@ -127,7 +129,7 @@ class ChunkBroker:
     def offer(self, chunk: np.ndarray, frame_seq: int, frame_stamp_ns: int, produced_ns: int, level: int,
               timing_ms: Mapping[str, float] | None = None, deadline_ns: int | None = None,
               tokens_refreshed: int | None = None, reuse_ratio: float | None = None,
-              origin_ns: int | None = None) -> bool:
+              origin_ns: int | None = None, denoising_steps: int | None = None) -> bool:
         """Hand over a decoded chunk [H, D] (copied). `deadline_ns`: the frame's own deadline (the plan's);
         without it the chunk is late when produced more than late_after_ns after the frame's capture. `origin_ns`:
         the time its step 0 is for (at most produced_ns; default produced_ns).
@@ -160,6 +162,7 @@ class ChunkBroker:
             self._timing_ms = timing_ms
             self._tokens_refreshed = tokens_refreshed
             self._reuse_ratio = reuse_ratio
+            self._denoising_steps = denoising_steps
             self.offered += 1
             self.late_offers += int(late)
         return True
@@ -210,4 +213,4 @@ class ChunkBroker:
             self._reader = slot
             return TickOutput(status, self._rows[slot][step], self._chunks[slot], step, self._frame_seq,
                               self._frame_stamp_ns, self._level, self._timing_ms, self._tokens_refreshed,
-                              self._reuse_ratio)
+                              self._reuse_ratio, self._denoising_steps)

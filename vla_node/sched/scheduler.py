@@ -39,15 +39,16 @@ when the instruction changed); the action stage alone must fit `action_deadline_
 deadline when planned is `stale`: nothing runs and the level does not move.
 
 Costs are kept per stage variant, because the knobs change them: "text", "action", "vision@<level>" (the main
-engine's vision at each vision level), "vision_full" (a full refresh, which an instruction change forces: the
-text partition precedes vision, so a text change invalidates it), and "small_text", "small_vision",
-"small_action" for the smaller engine, "action@<steps>" for the flow head's tick in fewer denoising steps (its prior
-the action's times (steps + 1) / (flow_steps + 1): the state's decoder pass costs about a step). Priors come from the node (preset figures or warm-up measurements):
-"vision" is a full refresh, and "vision@<level>" starts from it times the level's refresh cap. A variant without
-samples is estimated from its prior times the measured / prior ratio of its most recently sampled sibling (the
-same stage at other knobs or on the other engine), else times the load factor: that ratio for the action stage,
-which does the same work every frame (1.0 without a sample). Samples older than `cost_max_age_ms` are
-forgotten: a level left during an overload is estimated afresh from the current ratios, not from its last run.
+engine's vision at each vision level), "vision_full" (a full refresh, which an instruction change forces: the text
+partition precedes vision, so a text change invalidates it), and "small_text", "small_vision", "small_action" for
+the smaller engine, "action@<steps>" for the flow head's tick in fewer denoising steps (its prior the action's times
+(steps + 1) / (flow_steps + 1): the state's decoder pass costs about a step). Priors come from the node (preset
+figures or warm-up measurements): "vision" is a full refresh, and "vision@<level>" starts from it times the level's
+refresh cap. A variant without samples is estimated from its prior times the measured / prior ratio of its most
+recently sampled sibling (the same stage at other knobs or on the other engine), else times the load factor: that
+ratio for the action stage, which does the same work every frame (1.0 without a sample). Samples older than
+`cost_max_age_ms` are forgotten: a level left during an overload is estimated afresh from the current ratios, not
+from its last run.
 """
 
 from __future__ import annotations
