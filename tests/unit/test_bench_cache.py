@@ -1,17 +1,26 @@
 """`vla-node bench cache` end to end on the tiny preset: every figure the issue names is there, measured in one run,
-with the weights each compute dtype gets by default."""
+with the weights each compute dtype gets by default; the flow head's section (its tick by step count, the reference,
+the accuracy of fewer steps)."""
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from vla_node.backends.fp16_weights import fp16_weights_available
 from vla_node.backends.packed_weights import packed_weights_available
 from vla_node.bench import cache as bench_cache
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.sched.scheduler import SchedulerConfig
 from vla_node.validate import ConfigError
 
 KEYS = ("action_tick_ms", "action_tick_after_commit_ms", "vision_update_ms", "vision_update_with_tick_ms",
         "text_update_ms", "reference_step_ms", "hf_generate_ms", "kv_bytes", "vision_kv_bytes_fp16_equivalent")
+FLOW_KEYS = ("flow_tick_ms", "flow_tick_ms_by_steps", "flow_per_step_ms", "flow_fixed_ms", "reference_flow_ms",
+             "reference_vision_tower_ms", "reference_flow_without_vision_ms", "reference_over_flow_tick",
+             "flow_tick_over_bins_tick", "targets", "fewer_steps_accuracy")
 
 
 def _run(tmp_path, compute_dtype):
@@ -35,7 +44,34 @@ def _run(tmp_path, compute_dtype):
         rounds = target["per_round"]
         assert rounds["min"] <= rounds["median"] <= rounds["max"] and rounds["rounds"] == 1
         assert rounds["met_rounds"] == (rounds["median"] >= target["target"])  # one round: its ratio is the median
+    _check_flow(result)
     return result
+
+
+def _check_flow(result):
+    """The flow section: the tick at 10 steps and at each fewer_denoising_steps level, the reference in the same
+    rounds, the target, and the fewer steps' deviation from the 10-step chunks."""
+    flow = result["flow"]
+    for key in FLOW_KEYS:
+        assert key in flow, key
+    levels = (10, *SchedulerConfig().denoising_steps)
+    by_steps = flow["flow_tick_ms_by_steps"]
+    assert list(by_steps) == [str(n) for n in levels] and all(ms > 0 for ms in by_steps.values())
+    assert flow["flow_tick_ms"] == by_steps["10"] and flow["reference_flow_ms"] > 0
+    assert abs(flow["flow_per_step_ms"] - (by_steps["10"] - by_steps[str(levels[-1])]) / (10 - levels[-1])) < 0.01
+    assert flow["reference_over_flow_tick"] == round(flow["reference_flow_ms"] / flow["flow_tick_ms"], 2)
+    assert flow["flow_tick_over_bins_tick"] == round(flow["flow_tick_ms"] / result["action_tick_ms"], 2)
+    assert flow["expert_linear_layer"] == result["linear_layers"]["policy"]  # the bench's weights, the expert's too
+    (key, target), = flow["targets"].items()
+    assert (key, target["target"]) == ("reference_over_flow_tick", 5.0)
+    assert target["met"] == (flow[key] >= 5.0) and target["per_round"]["rounds"] == 1
+    accuracy = flow["fewer_steps_accuracy"]
+    assert accuracy["frames"] == 2 and accuracy["finite"] and accuracy["baseline_steps"] == 10
+    assert accuracy["frames_source"] in ("real clip", "synthetic drive (no real clip found)")
+    assert list(accuracy["by_steps"]) == [str(n) for n in levels[1:]]
+    for d in accuracy["by_steps"].values():
+        assert 0 <= d["mean_abs"] <= d["max_abs"] < np.inf
+        assert d["max_abs_over_rms"] == pytest.approx(d["max_abs"] / accuracy["baseline_rms"])
 
 
 def test_per_round_ratio_sums_each_rounds_cases():
@@ -54,12 +90,35 @@ def test_fp32_compute_times_fp16_weights_against_plain_fp32_ones(tmp_path):
 
 
 @pytest.mark.skipif(not packed_weights_available(),
-                    reason="packed bf16 weights need oneDNN running bf16 in hardware (AVX512-BF16 or AMX, as ONEDNN_MAX_CPU_ISA allows)")
+                    reason="packed bf16 weights need oneDNN running bf16 in hardware (AVX512-BF16 or AMX, as "
+                           "ONEDNN_MAX_CPU_ISA allows)")
 def test_bf16_compute_times_packed_weights_against_plain_bf16_ones_and_transformers_unpacked(tmp_path):
     result = _run(tmp_path, "bf16")
     assert (result["weights"], result["hf_weights"], result["plain_weights"]["weights"]) == ("packed", "bf16", "bf16")
     assert result["reference_dtype"] == result["hf_dtype"] == "bf16"
     assert result["linear_layers"] == {"policy": "PackedLinear", "reference": "PackedLinear", "plain weights": "Linear"}
+
+
+def test_fewer_steps_deviate_from_the_full_steps_chunk_of_the_same_noise():
+    """Policies in lockstep draw the same noise per tick: the same step count deviates by exactly nothing, fewer
+    steps by something."""
+    model = build_vla(preset("tiny", "flow"), seed=0)
+    frames, states = bench_cache.drive_frames(2), bench_cache.ego_states(2, model.config.state_dim)
+    d = bench_cache.flow_steps_deviation(model, torch.float32, frames, states, full=3, fewer=(3, 1))
+    assert d["by_steps"]["3"] == {key: 0.0 for key in d["by_steps"]["3"]}
+    assert d["by_steps"]["1"]["max_abs"] > 0 and d["baseline_rms"] > 0 and d["frames"] == 2
+
+
+def test_the_accuracy_frames_are_the_real_clip_where_found_else_synthetic(monkeypatch, tmp_path):
+    from vla_node.bench.suite import default_clip
+
+    if default_clip() is not None:
+        frames, source = bench_cache.accuracy_frames(2, 32)
+        assert source["frames_source"] == "real clip" and [f.shape for f in frames] == [(32, 32, 3)] * 2
+    monkeypatch.setenv("VLA_NODE_DRIVES", str(tmp_path))  # no clip there
+    frames, source = bench_cache.accuracy_frames(2, 32)
+    assert source == {"frames_source": "synthetic drive (no real clip found)", "clip": None, "fps": 10.0}
+    assert [f.shape for f in frames] == [(480, 640, 3)] * 2
 
 
 def test_weights_that_do_not_fit_the_compute_dtype_are_named():

@@ -31,7 +31,22 @@ What it measures (same weights, same synthetic 640x480 frame, one process, one t
   - segmented vs gather attention (vision update; the action tick too, though with tick_prefix, the default, both
     modes' ticks run the same prefix-buffer attention);
   - the INT8 effect: the default cache against the all-fp32 cache over a short sequence;
-  - a vision-memory policy table with vision_frames=4: timings, kv bytes, deviation against all-fp32 fifo.
+  - a vision-memory policy table with vision_frames=4: timings, kv bytes, deviation against all-fp32 fifo;
+  - `flow`: the flow head (action_head = "flow", flow_state 'prefix', the same preset and seed: its trunk is the bins
+    model's, plus the action expert) at the same compute dtype and weights, timed in the same rounds as everything
+    above: flow_tick_ms, the cached flow tick at the model's flow_steps (10; an ordinary tick, not the first after a
+    commit), flow_tick_ms_by_steps at 10 and each of SchedulerConfig.denoising_steps (the degrade ladder's
+    fewer_denoising_steps levels: 5, 2), flow_per_step_ms (the slope between 10 steps and the fewest: (t10 - t2) /
+    8) and flow_fixed_ms (the intercept: the state's decoder pass and the tick's overhead); reference_flow_ms,
+    ReferencePolicy.step of the same frame and state at 10 steps (every step a full recompute of the sequence; like
+    reference_step_ms it also resizes the frame and runs the vision tower once), with reference_vision_tower_ms
+    (that resize and tower pass alone, in the same rounds) and reference_flow_without_vision_ms (the median over
+    rounds of the step minus the tower); the target reference_over_flow_tick >= 5x (and per round);
+    flow_tick_over_bins_tick (against action_tick_ms, the same rounds). And the accuracy of fewer steps: per level
+    the chunks' deviation from the 10-step chunks of the same ticks (one policy per step count in lockstep, the same
+    noise: tick_noise depends only on the noise seed and the tick index) over deviation_frames frames of the shared
+    real freeway clip at 10 fps where it is found (as bench all), else the synthetic frames above: max and mean
+    abs, and both relative to the 10-step chunks' RMS.
 
 Why one thread: on an AVX2-only CPU shared with other work, OpenMP spin-waits make two threads on two busy
 cores several times slower; the thread count is part of the result.
@@ -64,6 +79,7 @@ from vla_node.model.config import ModelConfig, preset
 from vla_node.model.vla import VLA, build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reference import ReferencePolicy
+from vla_node.sched.scheduler import SchedulerConfig
 from vla_node.validate import choose, require
 
 INSTRUCTION = "keep lane, follow car"  # fits every preset (tiny: 23 bytes)
@@ -75,6 +91,8 @@ TARGETS = {"reference_step_over_action_tick": 10.0, "hf_generate_over_vision_upd
 TARGET_CASES = {"reference_step_over_action_tick": (("reference_step",), ("action_tick",)),
                 "hf_generate_over_vision_update_plus_action_tick": (("hf_generate",), ("vision_update_with_tick",))}
 POLICY_WINDOW = 4  # vision_frames of the policy table
+FLOW_TARGETS = {"reference_over_flow_tick": 5.0}
+FLOW_TARGET_CASES = {"reference_over_flow_tick": (("reference_flow",), ("flow_tick",))}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -151,11 +169,13 @@ class SequenceRun:
     tick_ms: list[float]
 
 
-def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray],
-                 states: list[np.ndarray]) -> dict[str, SequenceRun]:
+def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray], states: list[np.ndarray],
+                 steps: dict[str, int] | None = None) -> dict[str, SequenceRun]:
     """The same sequence through every policy, step by step in turn (so that a load change hits all alike):
     update_text, then per frame a full vision update and one action tick; the instruction changes halfway
-    (a text update recomputes what follows it). Each vision update and tick is timed."""
+    (a text update recomputes what follows it). Each vision update and tick is timed. `steps`: a flow policy's
+    denoising steps by name (the others tick at their model's default)."""
+    steps = steps or {}
     runs = {name: SequenceRun([], [], []) for name in policies}
     for policy in policies.values():
         policy.update_text(INSTRUCTION)
@@ -167,7 +187,8 @@ def run_lockstep(policies: dict[str, MultiRatePolicy], frames: list[np.ndarray],
             t0 = time.perf_counter_ns()
             policy.update_vision(images)
             t1 = time.perf_counter_ns()
-            runs[name].chunks.append(policy.action_tick(state))
+            runs[name].chunks.append(policy.action_tick(state) if name not in steps
+                                     else policy.action_tick(state, steps=steps[name]))
             t2 = time.perf_counter_ns()
             runs[name].vision_ms.append((t1 - t0) / 1e6)
             runs[name].tick_ms.append((t2 - t1) / 1e6)
@@ -213,26 +234,28 @@ def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path:
 
 
 def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames, weights) -> dict:
+    from vla_node.bench.engines import cpu_model
+
     started = time.monotonic_ns()
     config = preset(preset_name)
     frames = drive_frames(max(deviation_frames, policy_frames))
     states = ego_states(len(frames), config.state_dim)
     results: dict = {
         "preset": preset_name, "threads": torch.get_num_threads(), "compute_dtype": compute_dtype, "weights": weights,
-        "iters": iters, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "iters": iters, "machine": platform.processor() or platform.machine(), "cpu": cpu_model(),
+        "torch": torch.__version__,
         "default_cache": {"text": CacheConfig().text_dtype, "vision": CacheConfig().vision.storage_dtype,
                           "action": CacheConfig().action_dtype},
     }
-    print(f"bench cache: preset {preset_name}, compute {compute_dtype}, weights {weights}, {results['threads']} thread(s), "
-          f"{iters} rounds, {results['machine']}", flush=True)
+    print(f"bench cache: preset {preset_name}, compute {compute_dtype}, weights {weights}, "
+          f"{results['threads']} thread(s), {iters} rounds, {results['machine']}", flush=True)
     base = build_vla(config, seed=0)  # fp32; shared by every fp32 policy (they only read it)
-    model = base if dtype == torch.float32 else _converted(base, dtype)
-    if weights == "fp16":
-        model = use_fp16_weights(copy.deepcopy(base))
-    elif weights == "packed":
-        model = use_packed_weights(_converted(base, dtype))
+    model = _with_weights(base, dtype, weights)
+    flow_model = _with_weights(build_vla(preset(preset_name, "flow"), seed=0), dtype, weights)  # flow_state 'prefix'
 
-    results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype, weights))
+    results.update(_stage_timings(config, model, base, frames[0], states[0], iters, dtype, weights, flow_model))
+    results["flow"]["fewer_steps_accuracy"] = _flow_steps_accuracy(flow_model, dtype, deviation_frames,
+                                                                   flow_steps_levels(flow_model.config))
     exact_model = model if dtype == torch.float32 else base  # fp32 compute with the same weights
     results["int8_effect"] = _int8_effect(config, model, exact_model, frames[:deviation_frames],
                                           states[:deviation_frames], dtype)
@@ -250,21 +273,37 @@ def _converted(model: VLA, dtype: torch.dtype) -> VLA:
     return copy.deepcopy(model).to(dtype)
 
 
-def _stage_timings(config, model, base, frame, state, iters, dtype, weights) -> dict:
+def _with_weights(base: VLA, dtype: torch.dtype, weights: str) -> VLA:
+    """The fp32 model `base` as the run times it: in the compute dtype, with fp16 or packed linear weights where
+    asked (a copy unless nothing changes)."""
+    if weights == "fp16":
+        return use_fp16_weights(copy.deepcopy(base))
+    if weights == "packed":
+        return use_packed_weights(_converted(base, dtype))
+    return base if dtype == torch.float32 else _converted(base, dtype)
+
+
+def _stage_timings(config, model, base, frame, state, iters, dtype, weights, flow_model) -> dict:
     """Every stage of the default cache (and the other attention mode, plain weights, the reference and
-    transformers' generate) timed in interleaved rounds; returns the figures (see _stage_figures)."""
+    transformers' generate) and the flow head's tick and reference timed in interleaved rounds; returns the
+    figures (see _stage_figures, _flow_figures)."""
     default_mode = CacheConfig().attention
     other_mode = "segmented" if default_mode == "gather" else "gather"
     policies, reference, plain = _steady_policies(config, model, base, frame, state, dtype, weights, default_mode,
                                                   other_mode)
     cases = _stage_cases(policies, reference, plain, base, frame, state, dtype, weights, default_mode, other_mode)
+    levels = flow_steps_levels(flow_model.config)
+    flow_policy = _steady_flow_policy(flow_model, frame, state, dtype)
+    cases.update(_flow_cases(flow_policy, ReferencePolicy(flow_model, dtype), frame, state, levels))
     timing = interleaved_ms(cases, iters)
     compute_name = "fp32" if dtype == torch.float32 else "bf16"
     hf_weights = "fp16" if weights == "fp16" else compute_name  # transformers' own kernels, never packed
     for name, t in timing.items():
         print(f"  {name + '_ms':28s} {t['median']:9.1f}  (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})"
               + (f", {hf_weights} weights" if name == "hf_generate" else ""), flush=True)
-    return _stage_figures(timing, policies, reference, weights, compute_name, hf_weights, default_mode, other_mode)
+    out = _stage_figures(timing, policies, reference, weights, compute_name, hf_weights, default_mode, other_mode)
+    out["flow"] = _flow_figures(timing, flow_policy, levels, out["action_tick_ms"])
+    return out
 
 
 def _steady_policies(config, model, base, frame, state, dtype, weights, default_mode: str,
@@ -395,6 +434,135 @@ def _with_tick(policy: MultiRatePolicy, frame: np.ndarray, state: np.ndarray) ->
     return update.chunk
 
 
+# ---------------------------------------------------------------------------------------------- the flow head
+
+def flow_steps_levels(config: ModelConfig) -> tuple[int, ...]:
+    """The flow tick's step counts the bench runs: the model's flow_steps, then each of the degrade ladder's
+    fewer_denoising_steps levels below it (SchedulerConfig.denoising_steps, as the scheduler takes them)."""
+    return (config.flow_steps, *(n for n in SchedulerConfig().denoising_steps if n < config.flow_steps))
+
+
+def _steady_flow_policy(model: VLA, frame: np.ndarray, state: np.ndarray, dtype: torch.dtype) -> MultiRatePolicy:
+    """The flow model's default-cache policy in steady state (text, a frame, a full ring of states): its ticks are
+    ordinary ones (no text or vision commit comes between them in the rounds)."""
+    policy = MultiRatePolicy(model, CacheConfig(), dtype)
+    policy.update_text(INSTRUCTION)
+    policy.update_vision(policy.prepare_frames([frame]))
+    for _ in range(model.config.state_slots):
+        policy.action_tick(state)
+    return policy
+
+
+def _flow_cases(policy: MultiRatePolicy, reference: ReferencePolicy, frame: np.ndarray, state: np.ndarray,
+                levels: tuple[int, ...]) -> dict[str, Callable[[], object]]:
+    """The flow head's timed cases: its tick at each step count (flow_tick: the model's flow_steps), the reference
+    step (flow_steps full-recompute steps, after the frame's resize and one vision-tower pass) and that resize and
+    tower pass alone."""
+    cases: dict[str, Callable[[], object]] = {"flow_tick": lambda: policy.action_tick(state)}
+    for n in levels[1:]:
+        cases[f"flow_tick_{n}_steps"] = lambda n=n: policy.action_tick(state, steps=n)
+    cases["reference_flow"] = lambda: reference.step([frame], INSTRUCTION, state)
+    cases["reference_vision_tower"] = lambda: _reference_tower(reference, frame)
+    return cases
+
+
+@torch.inference_mode()
+def _reference_tower(reference: ReferencePolicy, frame: np.ndarray) -> torch.Tensor:
+    """What the reference step runs before its decode: the frame's resize and the vision tower (with projector)."""
+    return reference.model.encode_frame(reference.prepare_frames([frame]))
+
+
+def _flow_figures(timing: dict[str, dict], policy: MultiRatePolicy, levels: tuple[int, ...],
+                  bins_tick_ms: float) -> dict:
+    """The flow head's timing figures (median ms of the interleaved rounds) and its target."""
+    med = {name: t["median"] for name, t in timing.items()}
+    full, fewest = levels[0], levels[-1]
+    tick_ms = {n: med["flow_tick" if n == full else f"flow_tick_{n}_steps"] for n in levels}
+    per_step = (tick_ms[full] - tick_ms[fewest]) / (full - fewest) if fewest < full else None
+    without_vision = statistics.median(a - b for a, b in zip(timing["reference_flow"]["samples"],
+                                                             timing["reference_vision_tower"]["samples"]))
+    flow_tick, reference = round(med["flow_tick"], 2), round(med["reference_flow"], 2)
+    out = {
+        "action_head": "flow",
+        "flow_state": policy.config.flow_state,
+        "flow_steps": full,
+        "denoising_steps_levels": list(levels[1:]),
+        "expert_linear_layer": type(policy.model.expert.layers[0].self_attn.q_proj).__name__,
+        "flow_tick_ms": flow_tick,
+        "flow_tick_ms_by_steps": {str(n): round(ms, 2) for n, ms in tick_ms.items()},
+        "flow_per_step_ms": None if per_step is None else round(per_step, 3),
+        "flow_fixed_ms": None if per_step is None else round(tick_ms[fewest] - fewest * per_step, 2),
+        "flow_per_step_method": f"slope of the median tick between {full} and {fewest} steps: (t{full} - t{fewest}) "
+                                f"/ {full - fewest}; flow_fixed_ms is its intercept at 0 steps (the state's "
+                                "decoder pass and the tick's overhead)",
+        "reference_flow_ms": reference,
+        "reference_flow_steps": full,
+        "reference_flow_includes": "the frame's resize and one vision-tower pass, then every denoising step a full "
+                                   "recompute of the prefix through the decoder and the block through the expert "
+                                   "(ReferencePolicy.step, as reference_step_ms)",
+        "reference_vision_tower_ms": round(med["reference_vision_tower"], 2),
+        "reference_flow_without_vision_ms": round(without_vision, 2),
+        "reference_flow_without_vision_method": "median over rounds of reference_flow minus reference_vision_tower "
+                                                "(the resize and tower pass alone, timed in the same round)",
+        "reference_over_flow_tick": round(reference / flow_tick, 2),
+        "reference_without_vision_over_flow_tick": round(without_vision / med["flow_tick"], 2),
+        "bins_action_tick_ms": bins_tick_ms,
+        "flow_tick_over_bins_tick": round(flow_tick / bins_tick_ms, 2),
+    }
+    out["targets"] = {key: {"target": target, "measured": out[key], "met": out[key] >= target,
+                            "per_round": per_round_ratio(timing, *FLOW_TARGET_CASES[key], target)}
+                      for key, target in FLOW_TARGETS.items()}
+    return out
+
+
+def accuracy_frames(n: int, image_size: int) -> tuple[list[np.ndarray], dict]:
+    """n frames for the fewer-steps accuracy: the shared real freeway clip at 10 fps where it is found (bench all's
+    clip: $VLA_NODE_DRIVES, else ../shared/data/drives beside the checkout), resized to the model's input; else the
+    synthetic 640x480 drive. Returns (frames, what they are)."""
+    from vla_node.bench.reuse import load_frames
+    from vla_node.bench.suite import CLIP_FPS, default_clip
+
+    clip = default_clip()
+    if clip is not None:
+        return load_frames(clip, CLIP_FPS, n, image_size), {"frames_source": "real clip", "clip": str(clip),
+                                                            "fps": CLIP_FPS}
+    return drive_frames(n), {"frames_source": "synthetic drive (no real clip found)", "clip": None, "fps": 10.0}
+
+
+def _flow_steps_accuracy(model: VLA, dtype: torch.dtype, n_frames: int, levels: tuple[int, ...]) -> dict:
+    frames, source = accuracy_frames(n_frames, model.config.image_size)
+    print(f"  flow: {', '.join(map(str, levels[1:]))} steps vs {levels[0]} over {len(frames)} frames "
+          f"({source['frames_source']}) ...", flush=True)
+    states = ego_states(len(frames), model.config.state_dim)
+    return {**source, **flow_steps_deviation(model, dtype, frames, states, levels[0], levels[1:])}
+
+
+def flow_steps_deviation(model: VLA, dtype: torch.dtype, frames: list[np.ndarray], states: list[np.ndarray],
+                         full: int, fewer: tuple[int, ...]) -> dict:
+    """Each fewer step count's chunks against the `full`-step chunks of the same ticks: one default-cache policy per
+    step count, in lockstep (run_lockstep: the same text, frames and states), all with noise seed 0, so that tick i
+    of every policy starts from the same tick_noise(0, i). Per level: max and mean |difference|, and those and the
+    difference's RMS relative to the full-step chunks' RMS (over every frame, step and dim)."""
+    names = {"full": full, **{str(n): n for n in fewer}}
+    policies = {name: MultiRatePolicy(model, CacheConfig(), dtype, noise_seed=0) for name in names}
+    runs = run_lockstep(policies, frames, states, names)
+    ref = np.stack([c.actions for c in runs["full"].chunks]).astype(np.float64)  # [frames, H, D]
+    rms = float(np.sqrt(np.mean(ref**2)))
+    levels = {}
+    for name in names:
+        if name == "full":
+            continue
+        diff = np.abs(np.stack([c.actions for c in runs[name].chunks]).astype(np.float64) - ref)
+        levels[name] = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+                        "max_abs_over_rms": _relative(float(diff.max()), rms),
+                        "mean_abs_over_rms": _relative(float(diff.mean()), rms),
+                        "rms_over_rms": _relative(float(np.sqrt(np.mean(diff**2))), rms)}
+    return {"baseline_steps": full, "frames": len(frames), "noise": "tick_noise(seed 0, tick index): the same per "
+            "tick for every step count", "baseline_rms": rms,
+            "finite": bool(all(np.isfinite(c.actions).all() for run in runs.values() for c in run.chunks)),
+            "by_steps": levels}
+
+
 def _int8_effect(config, model, base, frames, states, dtype) -> dict:
     """The default cache (at the compute dtype) against the all-fp32 cache (fp32 compute)."""
     print(f"  int8 effect: default cache vs all-fp32 cache over {len(frames)} frames ...", flush=True)
@@ -433,11 +601,7 @@ def _policy_table(config, dtype, frames, states, weights) -> list[dict]:
     fifo cache on the same frames."""
     wide = config.replace(vision_frames=POLICY_WINDOW)
     base = build_vla(wide, seed=0)
-    model = base if dtype == torch.float32 else _converted(base, dtype)
-    if weights == "fp16":
-        model = use_fp16_weights(copy.deepcopy(base))
-    elif weights == "packed":
-        model = use_packed_weights(_converted(base, dtype))
+    model = _with_weights(base, dtype, weights)
     variants = policy_variants(wide)
     shown = {vision.policy for _, vision in variants.values()}
     require(shown == set(POLICIES), "policy table", sorted(shown), f"every policy: {sorted(POLICIES)}")
@@ -509,6 +673,7 @@ def _print_summary(r: dict) -> None:
     print(f"int8 effect ({e['baseline']}, {e['steps']} steps): max |dlogit| {e['max_abs_logit_diff']:.4f}, "
           f"rel L2 {e['logits_rel_l2']:.4f}, top-1 agreement {e['top1_agreement']:.3f}, action diff "
           f"{e['action_diff_pct_of_range_max']:.2f}% of range max ({e['action_diff_pct_of_range_mean']:.2f}% mean)")
+    _print_flow(r["flow"], r["action_tick_ms"])
     print(f"vision-memory policies, vision_frames={POLICY_WINDOW}, {r['weights']} weights (deviation vs all-fp32 fifo; "
           "step = vision + tick, the comparable figure: the states' recompute after a commit runs in the tick for "
           "fifo and merge, in the update for the others):")
@@ -521,3 +686,26 @@ def _print_summary(r: dict) -> None:
               f"{row['evicted_tokens']:7d} {d['max_abs_logit_diff']:11.4f} {d['logits_rel_l2']:7.4f} "
               f"{d['top1_agreement']:6.3f} {d['action_diff_pct_of_range_max']:8.2f}  {row['knobs']}")
     print(f"elapsed {r['elapsed_s']} s")
+
+
+def _print_flow(f: dict, bins_tick_ms: float) -> None:
+    steps = ", ".join(f"{n}: {ms:.1f}" for n, ms in f["flow_tick_ms_by_steps"].items())
+    per_step = ("" if f["flow_per_step_ms"] is None else
+                f"; per step {f['flow_per_step_ms']:.2f} ms, fixed {f['flow_fixed_ms']:.1f} ms")
+    print(f"flow head (flow_state {f['flow_state']}, {f['expert_linear_layer']}): tick {f['flow_tick_ms']:.1f} ms at "
+          f"{f['flow_steps']} steps (by steps {steps}{per_step}); bins tick {bins_tick_ms:.1f} ms -> flow/bins "
+          f"{f['flow_tick_over_bins_tick']:.2f}x")
+    for key, t in f["targets"].items():
+        n = t["per_round"]
+        print(f"{key:48s} {t['measured']:7.2f}x  (target >= {t['target']:g}: {'met' if t['met'] else 'NOT met'}; "
+              f"per round {n['min']:.2f}-{n['max']:.2f}x, met in {n['met_rounds']} of {n['rounds']})")
+    print(f"flow reference: {f['reference_flow_ms']:.1f} ms for {f['reference_flow_steps']} steps, of which resize + "
+          f"vision tower {f['reference_vision_tower_ms']:.1f} ms; without it "
+          f"{f['reference_flow_without_vision_ms']:.1f} ms -> {f['reference_without_vision_over_flow_tick']:.2f}x the "
+          "tick")
+    a = f["fewer_steps_accuracy"]
+    print(f"fewer steps vs {a['baseline_steps']} (same noise, {a['frames']} frames, {a['frames_source']}; "
+          f"{a['baseline_steps']}-step RMS {a['baseline_rms']:.4f}):")
+    for n, d in a["by_steps"].items():
+        print(f"  {n:>2s} steps: max |d| {d['max_abs']:.4f} ({d['max_abs_over_rms'] * 100:.1f}% of RMS), mean |d| "
+              f"{d['mean_abs']:.4f} ({d['mean_abs_over_rms'] * 100:.1f}%), RMS of d {d['rms_over_rms'] * 100:.1f}%")
