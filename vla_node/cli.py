@@ -20,10 +20,13 @@ def cmd_init(args) -> int:
     from vla_node.model.config import preset
     from vla_node.model.vla import build_vla
 
-    model = build_vla(preset(args.preset), seed=args.seed)
+    model = build_vla(preset(args.preset, args.action_head), seed=args.seed)
     path = save_checkpoint(model, args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.preset} checkpoint (seed {args.seed}, {n / 1e6:.1f} M parameters) to {path}")
+    expert = "" if model.expert is None else \
+        f", of which the flow head's action expert {sum(p.numel() for p in model.expert.parameters()) / 1e6:.1f} M"
+    print(f"wrote {args.preset} checkpoint ({args.action_head} head, seed {args.seed}, {n / 1e6:.1f} M parameters"
+          f"{expert}) to {path}")
     return 0
 
 
@@ -242,6 +245,8 @@ def add_node_commands(sub) -> None:
     p = sub.add_parser("init", help="write a randomly initialised checkpoint directory")
     p.add_argument("--preset", default="small", help="tiny | small | base")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--action-head", default="bins", choices=("bins", "flow"),
+                   help="bins (256 bins per dim, decoded by the decoder) | flow (a flow-matching action expert)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=cmd_init)
 

@@ -176,3 +176,29 @@ def test_a_flow_checkpoint_round_trips_with_its_expert_folder(tmp_path, state):
 def test_a_bins_checkpoint_has_no_expert_folder(tmp_path):
     path = save_checkpoint(build_vla(preset("tiny"), seed=6), tmp_path / "ckpt")
     assert not (path / "expert").exists()
+
+
+def test_the_launch_files_action_head_picks_the_presets_head_and_must_agree_with_a_checkpoint(tmp_path):
+    from vla_node.config import load_launch
+    from vla_node.validate import ConfigError
+
+    launch = tmp_path / "flow.toml"
+    launch.write_text('[model]\npreset = "tiny"\naction_head = "flow"\ninstruction = "keep lane"\n')
+    assert load_launch(launch).model.model_config().action_head == "flow"
+    bins = save_checkpoint(build_vla(preset("tiny"), seed=0), tmp_path / "bins")
+    launch.write_text(f'[model]\ncheckpoint = "{bins}"\naction_head = "flow"\ninstruction = "keep lane"\n')
+    with pytest.raises(ConfigError, match="model.action_head = 'flow': expected 'bins' \\(the head of checkpoint"):
+        load_launch(launch).model.model_config()
+    launch.write_text('[model]\npreset = "tiny"\naction_head = "diffusion"\n')
+    with pytest.raises(ConfigError, match="model.action_head = 'diffusion'"):
+        load_launch(launch)
+
+
+def test_vla_node_init_writes_a_flow_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "vla_node.cli", "init", "--preset", "tiny", "--action-head", "flow",
+                          "--out", str(tmp_path / "ckpt")], capture_output=True, text=True, check=True).stdout
+    assert "flow head" in out and "action expert" in out
+    assert load_checkpoint(tmp_path / "ckpt").config.action_head == "flow"
