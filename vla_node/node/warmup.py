@@ -38,16 +38,15 @@ def warm_up(policies: dict[str, MultiRatePolicy], instruction: str, state: np.nd
 
     for prefix, policy in policies.items():
         cameras = policy.config.num_cameras
+        c = policy.config
+        flow = {"guide": ChunkGuide(torch.zeros(c.action_horizon, c.action_dims), 1, c.action_horizon)} if guided \
+            else {}
         for i, frame in enumerate(frames):
             timed(prefix + "text", lambda: policy.update_text(instruction), i == 0)
             timed(prefix + "vision", lambda: policy.update_vision(policy.prepare_frames([frame] * cameras),
                                                                   state=state), i == 0)
-            timed(prefix + "action", lambda: policy.action_tick(state), i == 0)
+            timed(prefix + "action", lambda: policy.action_tick(state, **flow), i == 0)
         for steps in denoising_steps:
             policy.action_tick(state, steps=steps)
-        if guided:
-            c = policy.config
-            policy.action_tick(state, guide=ChunkGuide(torch.zeros(c.action_horizon, c.action_dims), 1,
-                                                       c.action_horizon))
     log.info("warm-up priors (ms): %s", {k: round(v, 1) for k, v in priors.items()})
     return priors
