@@ -12,11 +12,13 @@ from vla_node.fuzz.inputs import pack_tree, unpack_tree
 from vla_node.fuzz.mutate import havoc
 from vla_node.fuzz.values import mutate_json, pick
 
-WEIGHT_FILES = ("decoder/model.safetensors", "vision/model.safetensors", "heads.safetensors")
+WEIGHT_FILES = ("decoder/model.safetensors", "vision/model.safetensors", "heads.safetensors",
+                "expert/model.safetensors")
 CONFIG_FILES = ("vla.json", "decoder/config.json", "vision/config.json")
 MODEL_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vision_width",
               "vision_layers", "vision_frames", "image_size", "patch_size", "action_dims", "action_low", "rope_theta",
-              "max_text_tokens", "state_dim", "num_cameras", "action_decode", "name", "format_version", "model")
+              "max_text_tokens", "state_dim", "num_cameras", "action_decode", "name", "format_version", "model",
+              "action_head", "expert_hidden_size", "flow_steps", "flow_state")
 DTYPES = ("F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "X", "", 7)
 NON_FINITE_F32 = (b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff")  # nan, inf, -inf
 EXTRA_FILES = ("notes.txt", "decoder/extra.safetensors", "vision/tokenizer.json", "model.safetensors", ".hidden",

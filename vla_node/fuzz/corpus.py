@@ -354,9 +354,10 @@ def checkpoint_seeds() -> Seeds:
 
     with tempfile.TemporaryDirectory(prefix="vla-fuzz-corpus-") as tmp:
         files = _read_tree(save_checkpoint(build_vla(preset("tiny"), seed=0), Path(tmp) / "ckpt"))
+        flow = _read_tree(save_checkpoint(build_vla(preset("tiny", "flow"), seed=0), Path(tmp) / "flow"))
     meta = json.loads(files["vla.json"])
     two_frames = dict(files, **{"vla.json": json.dumps({**meta, "model": {**meta["model"], "vision_frames": 2}})
                                 .encode()})
     extra = dict(files, **{"README.md": b"a checkpoint", "decoder/generation_config.json": b"{}"})
-    return [("tiny", pack_tree(files)), ("tiny_two_frames", pack_tree(two_frames)), ("tiny_extra_files",
-                                                                                     pack_tree(extra))]
+    return [("tiny", pack_tree(files)), ("tiny_two_frames", pack_tree(two_frames)),
+            ("tiny_extra_files", pack_tree(extra)), ("tiny_flow", pack_tree(flow))]
