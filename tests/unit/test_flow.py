@@ -202,3 +202,28 @@ def test_vla_node_init_writes_a_flow_checkpoint(tmp_path):
                           "--out", str(tmp_path / "ckpt")], capture_output=True, text=True, check=True).stdout
     assert "flow head" in out and "action expert" in out
     assert load_checkpoint(tmp_path / "ckpt").config.action_head == "flow"
+
+
+def test_the_expert_keeps_differentiable_linear_layers_whatever_the_weight_format():
+    """Guidance backpropagates through the expert; fbgemm's fp16 kernel has no backward (autograd would silently
+    drop its gradient), so load_model converts the trunk only, and a policy refuses to guide a converted expert."""
+    from vla_node.backends.fp16_weights import Fp16WeightLinear, fp16_weights_available, use_fp16_weights
+    from vla_node.backends.loading import load_model
+
+    if not fp16_weights_available():
+        pytest.skip("fp16 weights need torch's fbgemm backend (x86-64)")
+    model = load_model(flow_config(), "fp16")
+    assert isinstance(model.decoder.model.layers[0].mlp.up_proj, Fp16WeightLinear)
+    assert all(type(m) is torch.nn.Linear for m in model.expert.modules() if "Linear" in type(m).__name__)
+    frame, state = next(frames_and_states(1))
+    policy = MultiRatePolicy(model)
+    policy.update_text("keep the lane")
+    policy.update_vision(policy.prepare_frames([frame]))
+    first = policy.action_tick(state)
+    guide = ChunkGuide(torch.from_numpy(first.actions), frozen=1, overlap=3)
+    assert np.array_equal(policy.action_tick(state, guide=guide).actions[:1], first.actions[:1])
+    use_fp16_weights(model.expert)
+    converted = MultiRatePolicy(model)
+    converted.update_text("keep the lane")
+    with pytest.raises(ValueError, match="plain linear layers .* got \\['Fp16WeightLinear'\\]"):
+        converted.action_tick(state, guide=guide)

@@ -18,12 +18,17 @@ def load_model(config: ModelConfig, weights: str, checkpoint: str | None = None,
     """The model at `config`'s shapes (a preset's, or the checkpoint's with run-time changes such as
     vision_frames), from the checkpoint's weights or seeded random ones, its linear layers stored as `weights`:
     'fp16' (fbgemm, fp32 compute), 'packed' (oneDNN bf16) or 'plain' (as they are; the policy casts them to its
-    compute dtype)."""
+    compute dtype). The flow head's action expert keeps plain linear layers: real-time chunking differentiates
+    through it (neither fbgemm's nor oneDNN's packed kernels have a backward), and its matrices are small."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r}: expected one of {WEIGHT_FORMATS}")
     model = build_vla(config, seed=seed) if checkpoint is None else load_checkpoint(checkpoint, config)
+    if weights == "plain":
+        return model
+    expert, model.expert = model.expert, None
     if weights == "fp16":
-        return use_fp16_weights(model)
-    if weights == "packed":
-        return use_packed_weights(model.to(torch.bfloat16))
-    return model
+        use_fp16_weights(model)
+    else:
+        use_packed_weights(model.to(torch.bfloat16))
+    model.expert = expert
+    return model.to(torch.bfloat16) if weights == "packed" else model

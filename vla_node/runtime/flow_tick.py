@@ -40,6 +40,10 @@ class FlowTick:
         self.noise = torch.zeros(c.action_horizon, c.action_dims)
         self.generator = torch.Generator()
         policy.model.expert.requires_grad_(False)  # guidance differentiates the field w.r.t. x only
+        # guidance backpropagates through the expert: its linear layers must be torch's own (backends/loading.py
+        # keeps them so; fbgemm's fp16 and oneDNN's packed kernels have no backward and would give a wrong gradient)
+        self.layer_types = sorted({type(m).__name__ for m in policy.model.expert.modules()
+                                   if "Linear" in type(m).__name__ and type(m) is not torch.nn.Linear})
 
     def tick(self, state, check: Check | None, steps: int | None, guide: ChunkGuide | None
              ) -> tuple[ActionChunk, tuple | None]:
@@ -50,6 +54,9 @@ class FlowTick:
         steps = c.flow_steps if steps is None else steps
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(f"denoising steps {steps!r}: expected an integer >= 1")
+        if guide is not None and self.layer_types:
+            raise ValueError(f"real-time chunking's guidance needs the expert's plain linear layers (torch.nn.Linear), "
+                             f"got {self.layer_types}: load the model with backends.loading.load_model")
         if guide is not None and tuple(guide.target.shape) != (c.action_horizon, c.action_dims):
             raise ValueError(f"ChunkGuide target of shape {list(guide.target.shape)}: expected "
                              f"[{c.action_horizon}, {c.action_dims}]")
