@@ -23,6 +23,12 @@ def load_model(config: ModelConfig, weights: str, checkpoint: str | None = None,
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r}: expected one of {WEIGHT_FORMATS}")
     model = build_vla(config, seed=seed) if checkpoint is None else load_checkpoint(checkpoint, config)
+    return convert_weights(model, weights)
+
+
+def convert_weights(model: VLA, weights: str) -> VLA:
+    """`model`'s linear layers stored as `weights` (in place; 'packed' also casts the model to bf16), the action
+    expert's excepted (see load_model)."""
     if weights == "plain":
         return model
     expert, model.expert = model.expert, None

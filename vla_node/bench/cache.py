@@ -66,8 +66,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.backends.fp16_weights import cpu_has_bf16, fp16_weights_available, use_fp16_weights
-from vla_node.backends.packed_weights import packed_weights_available, use_packed_weights
+from vla_node.backends.fp16_weights import cpu_has_bf16, fp16_weights_available
+from vla_node.backends.loading import convert_weights
+from vla_node.backends.packed_weights import packed_weights_available
 from vla_node.bench.model import hf_generate_step
 from vla_node.drives.synthetic import SyntheticDriveConfig, synthetic_frames
 from vla_node.kv.cache_config import CacheConfig
@@ -275,11 +276,12 @@ def _converted(model: VLA, dtype: torch.dtype) -> VLA:
 
 def _with_weights(base: VLA, dtype: torch.dtype, weights: str) -> VLA:
     """The fp32 model `base` as the run times it: in the compute dtype, with fp16 or packed linear weights where
-    asked (a copy unless nothing changes)."""
+    asked, as the node loads them (the flow head's expert stays plain: backends/loading.py), a copy unless nothing
+    changes."""
     if weights == "fp16":
-        return use_fp16_weights(copy.deepcopy(base))
+        return convert_weights(copy.deepcopy(base), "fp16")
     if weights == "packed":
-        return use_packed_weights(_converted(base, dtype))
+        return convert_weights(_converted(base, dtype), "packed")
     return base if dtype == torch.float32 else _converted(base, dtype)
 
 
