@@ -3,7 +3,10 @@
 A policy's steps (step_specs):
 
     text               the instruction at the text partition's capacity (TextStep)
-    tick               the parallel action tick, fused form (TickStep)
+    tick               the parallel action tick, fused form (TickStep; the bins head)
+    flow-tick-N        the flow head's tick in N Euler steps (FlowTickStep), N over the model's flow_steps and the
+                       degrade ladder's denoising step counts; in place of tick, and never in the frame's pass (a flow
+                       model has no decoder-tick-* steps)
     tower-K            every camera through the vision tower, K tokens recomputed per camera (TowerPartialStep;
                        K = tokens per camera is the full refresh)
     decoder-K-a, -b    the frame through the decoder, K tokens recomputed (DecoderPartialStep; K = frame tokens is
@@ -26,12 +29,13 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from vla_node.backends.engine import Engine, TorchEngine
+from vla_node.backends.flow_step import FlowTickStep, flow_bias, flow_outputs, state_bias, state_positions
 from vla_node.backends.steps import TextStep, TickStep, text_bias, tick_bias
 from vla_node.backends.store import EngineKey, EngineStore, device_description, weights_digest
 from vla_node.model.config import ModelConfig
@@ -72,9 +76,12 @@ def _kv(c: ModelConfig, tokens: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(c.num_layers, c.num_kv_heads, tokens, c.head_dim, generator=g) * 0.5  # [L, KV, n, hd]
 
 
-def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, StepSpec]:
+def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool,
+               denoising_steps: Sequence[int] = ()) -> dict[str, StepSpec]:
     """Every step a policy of model `c` runs: text, tick, and the tower and decoder at each capacity (with the
-    tick's rows in the decoder's pass when `tick_in_frame`). `samples`: the shared-drift sample per refresh."""
+    tick's rows in the decoder's pass when `tick_in_frame`). `samples`: the shared-drift sample per refresh.
+    The flow head: flow-tick-N for N in (c.flow_steps, *denoising_steps) in place of tick, and no tick rows in the
+    decoder's pass (`tick_in_frame` does not apply); `denoising_steps` is ignored for the bins head."""
     from vla_node.backends.decoder_partial_step import DecoderPartialStep, DecoderRestStep, decoder_rows, piece_names
     from vla_node.backends.tower_partial_step import TOWER_OUTPUTS, TowerPartialStep, tower_rows
 
@@ -101,10 +108,13 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
                 "prefix_v": _kv(c, P, g), "bias": rows["tick_bias"]}
 
     options = f"steps v{STEPS_VERSION}; shared-drift samples {samples}"  # samples 0 and 1: same shapes
-    specs = {
-        "text": StepSpec("text", TextStep, text_inputs, ("text_k", "text_v"), f"steps v{STEPS_VERSION}"),
-        "tick": StepSpec("tick", TickStep, tick_inputs, ("logits", "state_k", "state_v"), f"steps v{STEPS_VERSION}"),
-    }
+    specs = {"text": StepSpec("text", TextStep, text_inputs, ("text_k", "text_v"), f"steps v{STEPS_VERSION}")}
+    if c.action_head == "flow":
+        for steps in flow_step_counts(c, denoising_steps):
+            specs[f"flow-tick-{steps}"] = flow_tick_spec(c, steps)
+    else:
+        specs["tick"] = StepSpec("tick", TickStep, tick_inputs, ("logits", "state_k", "state_v"),
+                                 f"steps v{STEPS_VERSION}")
     C, Lv, W, Hv = c.num_cameras, c.vision_layers, c.vision_width, c.vision_heads
     for k in capacities(Tc, samples):
         def tower_inputs(k: int = k) -> dict[str, torch.Tensor]:
@@ -121,8 +131,9 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
                                        TOWER_OUTPUTS, options)
     L, H, hd, hidden = c.num_layers, c.num_heads, c.head_dim, c.hidden_size
     cut = decoder_cut(c)
+    rows_in_frame = tick_in_frame and c.action_head == "bins"  # the flow tick never joins the frame's pass
     for k in capacities(T, samples):
-        for tick in (False, True) if tick_in_frame else (False,):
+        for tick in (False, True) if rows_in_frame else (False,):
             def decoder_inputs(k: int = k, tick: bool = tick, first: bool = True) -> dict[str, torch.Tensor]:
                 g = _seeded(3)
                 gate = None if k == T else torch.arange(0, T, max(1, T // max(1, k - samples)))[: k - samples]
@@ -156,6 +167,40 @@ def step_specs(c: ModelConfig, samples: int, tick_in_frame: bool) -> dict[str, S
                                        lambda k=k, tick=tick, first=start == 0: decoder_inputs(k, tick, first),
                                        outputs, options)
     return specs
+
+
+def flow_step_counts(c: ModelConfig, denoising_steps: Sequence[int] = ()) -> tuple[int, ...]:
+    """The Euler step counts a flow model's engines are built for: its flow_steps, then `denoising_steps` (the
+    degrade ladder's), each once, in that order."""
+    for steps in denoising_steps:
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise ValueError(f"denoising steps {steps!r} in {tuple(denoising_steps)}: expected integers >= 1")
+    return tuple(dict.fromkeys((c.flow_steps, *denoising_steps)))
+
+
+def flow_tick_spec(c: ModelConfig, steps: int) -> StepSpec:
+    """flow-tick-`steps`: the flow head's tick in `steps` Euler steps (FlowTickStep), its seeded inputs a tick over a
+    full prefix (a 9-token instruction) with every stored state valid."""
+    Tt, S = c.max_text_tokens, c.state_slots
+    P = Tt + c.tokens_per_frame
+    text_bias_row = torch.zeros(Tt).masked_fill_(torch.arange(Tt) >= min(9, Tt), float("-inf"))
+    prefix_bias = torch.cat([text_bias_row, torch.zeros(c.tokens_per_frame)])  # [P]: the frame's slots all valid
+
+    def inputs() -> dict[str, torch.Tensor]:
+        g = _seeded(4)
+        prefix = {"prefix_k": _kv(c, P, g), "prefix_v": _kv(c, P, g)}
+        noise = torch.randn(c.action_horizon, c.action_dims, generator=g)
+        if c.flow_state == "suffix":
+            return {"state": torch.randn(c.state_dim, generator=g), **prefix, "noise": noise,
+                    "expert_bias": flow_bias(c, prefix_bias, None)}
+        stored_valid = torch.ones(S - 1, dtype=torch.bool)
+        return {"state_x": torch.randn(S, c.hidden_size, generator=g), "positions": state_positions(c, 0), **prefix,
+                "bias": state_bias(prefix_bias, stored_valid), "noise": noise,
+                "expert_bias": flow_bias(c, prefix_bias, stored_valid)}
+
+    name = f"flow-tick-{steps}"
+    options = f"steps v{STEPS_VERSION}; flow steps {steps}; flow_state {c.flow_state}"
+    return StepSpec(name, lambda m: FlowTickStep(m, steps), inputs, flow_outputs(c), options)
 
 
 def decoder_cut(c: ModelConfig) -> int:

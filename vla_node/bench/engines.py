@@ -3,12 +3,20 @@ the same seeded inputs, with parity against the torch fp32 step; and today's def
 compute with fp16 weights) doing the same frame.
 
 Steps timed (backends/engine_set.py): text, tick, the tower full and partial (a quarter of the tokens and the
-shared-drift sample) and the decoder with the tick's rows, full and partial. Recipes per step:
+shared-drift sample) and the decoder with the tick's rows, full and partial; and beside them the flow head's tick
+(FlowTickStep, a flow model of the same preset and seed, flow_state 'prefix') at two Euler step counts, the model's
+flow_steps (10) and 2 unless told (`flow_steps`). Recipes per step:
     torch-fp32          the step module eagerly, plain fp32 weights (the reference of every parity figure)
     torch-fp16-weights  the same with fbgemm's fp16 weights, where fbgemm is
     onnxruntime-fp32    the exported graph (opset 20) in ONNX Runtime's CPU provider, bound by pointer, from the
                         engine store (built by this run into a temporary store)
     onnxruntime-int8    the int8-ort recipe (backends/quantize.py) of the same graph
+
+The flow figures (result["flow"]): per recipe, `flow_tick_ms` (flow-tick-10: the tick the node runs at the top of
+its ladder), `flow_per_step_ms` = (flow-tick-10 ms - flow-tick-2 ms) / 8, the marginal cost of one Euler step (the
+state rows' decoder pass and the call's fixed costs cancel in the difference), `flow_fixed_ms` = flow-tick-10 ms - 10
+x flow_per_step_ms (what the tick costs besides its steps), `flow_over_bins_tick` (flow-tick-10 ms over the bins
+tick's), and each step's ms and parity against torch-fp32 under `steps`, as for the bins steps.
 
 Targets (the issue's): the ONNX Runtime int8 tick at most 0.5x the torch fp32 tick; the best backend's fused frame
 (full refresh + tick: tower-full + both pieces of decoder-tick-full) faster than today's default, the eager policy's
@@ -32,7 +40,7 @@ import torch
 
 from vla_node.backends import cpu_features
 from vla_node.backends.engine import TorchEngine
-from vla_node.backends.engine_set import capacities, exported_engines, step_specs
+from vla_node.backends.engine_set import StepSpec, capacities, exported_engines, flow_tick_spec, step_specs
 from vla_node.backends.export import parity
 from vla_node.backends.fp16_weights import fp16_weights_available, use_fp16_weights
 from vla_node.backends.steps import FrameStep, TextStep, TickStep, frame_bias, text_bias, tick_bias
@@ -54,6 +62,19 @@ def bench_steps(c: ModelConfig) -> dict[str, str]:
             **{f"frame-tick-{kind}-{part}": f"decoder-tick-{k}-{part}" for kind, k in (("full", frame[-1]),
                                                                                       ("partial", frame[0]))
                for part in "ab"}}
+
+
+def flow_bench_counts(c: ModelConfig, flow_steps: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The two Euler step counts the flow tick is timed at: (the model's flow_steps, 2) unless given, high first."""
+    counts = (c.flow_steps, 2) if flow_steps is None else tuple(flow_steps)
+    if not (len(counts) == 2 and all(isinstance(n, int) and n >= 1 for n in counts) and counts[0] > counts[1]):
+        raise ValueError(f"flow_steps {flow_steps!r}: expected two step counts (high, low), high > low >= 1")
+    return counts
+
+
+def flow_specs(c: ModelConfig, counts: tuple[int, int]) -> dict[str, StepSpec]:
+    """Bench name (= engine step name) -> the flow tick's spec at each of `counts` (flow model `c`)."""
+    return {f"flow-tick-{n}": flow_tick_spec(c, n) for n in counts}
 
 
 def step_inputs(c: ModelConfig, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -166,23 +187,32 @@ def node_rss_mb(preset_name: str, backend: str, engines_dir: str) -> float:
 
 
 def run(preset_name: str = "small", iters: int = 10, threads: int = 1, json_path: str | None = None,
-        rss: bool = True) -> dict:
-    """Time every step and recipe; print a table; return (and optionally write) the figures."""
+        rss: bool = True, flow_steps: tuple[int, int] | None = None) -> dict:
+    """Time every step and recipe, the flow tick's at `flow_steps` (flow_bench_counts) beside them; print a table;
+    return (and optionally write) the figures."""
     torch.set_num_threads(threads)
     config = preset(preset_name)
     model = build_vla(config, seed=0)
     specs = step_specs(config, SAMPLES, tick_in_frame=True)
     names = bench_steps(config)
+    flow_config = preset(preset_name, "flow")
+    counts = flow_bench_counts(flow_config, flow_steps)
+    flow = flow_specs(flow_config, counts)
+    flow_names = {name: name for name in flow}
     with tempfile.TemporaryDirectory(prefix="vla-bench-engines-") as tmp:
         store = EngineStore(Path(tmp) / "engines")
         engines = _engines(model, specs, names, store, threads)
-        steps, eager_ms = _time_steps(engines, specs, names, _eager_default_frame(config), iters)
+        engines.update(_engines(build_vla(flow_config, seed=0), flow, flow_names, store, threads))
+        timed, eager_ms = _time_steps(engines, {**specs, **flow}, {**names, **flow_names},
+                                      _eager_default_frame(config), iters)
+        steps = {b: timed[b] for b in names}
         memory = {}
         if rss:
             exported_engines(model, specs, "onnxruntime", "fp32", store, threads=threads)  # the node's whole set
             memory = {b: node_rss_mb(preset_name, b, str(store.root)) for b in ("torch", "onnxruntime")}
     result = {"preset": preset_name, "threads": threads, "iters": iters, "steps": steps,
               "eager_default_frame_ms": eager_ms, "rss_mb": memory,
+              "flow": _flow_figures({b: timed[b] for b in flow_names}, counts, steps["tick"], flow_config),
               "cpu": cpu_model(), "kernels": cpu_features.describe(), "torch": torch.__version__,
               "targets": _targets(steps, eager_ms)}
     print(table(result))
@@ -195,6 +225,19 @@ def cpu_model() -> str:
     info = cpu_features.read_cpuinfo()
     return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
                 platform.processor() or platform.machine())
+
+
+def _flow_figures(timed: dict, counts: tuple[int, int], bins_tick: dict, c: ModelConfig) -> dict:
+    """The flow tick's figures per recipe from its two timed counts (high, low): see the module's docstring."""
+    high, low = counts
+    top, bottom = timed[f"flow-tick-{high}"], timed[f"flow-tick-{low}"]
+    per_step = {r: round((top[r]["ms"] - bottom[r]["ms"]) / (high - low), 3) for r in top}
+    return {"flow_state": c.flow_state, "counts": [high, low], "steps": timed,
+            "flow_tick_ms": {r: top[r]["ms"] for r in top},
+            "flow_per_step_ms": per_step,
+            "flow_per_step_formula": f"(flow-tick-{high} ms - flow-tick-{low} ms) / {high - low}",
+            "flow_fixed_ms": {r: round(top[r]["ms"] - high * per_step[r], 3) for r in top},
+            "flow_over_bins_tick": {r: round(top[r]["ms"] / bins_tick[r]["ms"], 3) for r in top if r in bins_tick}}
 
 
 def _targets(steps: dict, eager_ms: float) -> dict:
@@ -227,6 +270,19 @@ def table(result: dict) -> str:
                  f"{'met' if a['met'] else 'MISSED'})")
     lines.append(f"frame + tick, best ({b['best']}) / default ({b['default']}): {b['value']}x (target {b['target']}: "
                  f"{'met' if b['met'] else 'MISSED'})")
+    flow = result.get("flow")  # absent from results written before the flow head
+    if flow:
+        high = flow["counts"][0]
+        for step, recipes in flow["steps"].items():
+            for recipe, f in recipes.items():
+                rel = ", ".join(f"{k} {v['max_rel']:.1e}" for k, v in f["parity_vs_torch_fp32"].items())
+                lines.append(f"{step:<22}{recipe:<20}{f['ms']:>9.3f}  {rel}")
+        lines.append(f"flow tick, {high} steps (flow_state {flow['flow_state']}): ms | per Euler step ms "
+                     f"({flow['flow_per_step_formula']}) | over the bins tick")
+        for recipe, ms in flow["flow_tick_ms"].items():
+            ratio = flow["flow_over_bins_tick"].get(recipe)
+            lines.append(f"  {recipe:<20}{ms:>9.3f} | {flow['flow_per_step_ms'][recipe]:.3f} | "
+                         f"{'-' if ratio is None else f'{ratio}x'}")
     if result["rss_mb"]:
         lines.append("node RSS after warm-up: " + ", ".join(f"{k} {v} MB" for k, v in result["rss_mb"].items()))
     return "\n".join(lines)

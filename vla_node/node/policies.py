@@ -26,7 +26,7 @@ from vla_node.backends.loading import load_model
 from vla_node.backends.store import EngineStore, EngineStoreError
 from vla_node.config import NodeConfig
 from vla_node.kv.dtypes import torch_dtype
-from vla_node.model.config import preset
+from vla_node.model.config import ModelConfig, preset
 from vla_node.model.vla import VLA
 from vla_node.runtime.engine_policy import EnginePolicy, unsupported
 from vla_node.runtime.policy import MultiRatePolicy
@@ -87,7 +87,8 @@ def engine_set(config: NodeConfig, model: VLA, backend: str, recipe: str, *, bui
                launch: str | None = None, progress=None) -> EngineSet:
     """The engines of `model` for the node's configuration on `backend` with `recipe`."""
     section = config.model
-    specs = step_specs(model.config, config.reuse.shared_drift_samples, tick_in_frame=True)
+    specs = step_specs(model.config, config.reuse.shared_drift_samples, tick_in_frame=True,
+                       denoising_steps=config.scheduler.denoising_steps)
     if backend == "torch":
         return torch_engines(model, specs, section.device)
     if backend == "cudagraph":
@@ -114,10 +115,17 @@ def _log_progress(line: str) -> None:
     print(f"engines: {line}", file=sys.stderr, flush=True)
 
 
+def smaller_shapes(config: NodeConfig, main: ModelConfig) -> ModelConfig:
+    """The smaller engine's model: scheduler.smaller_preset with the main model's action head (a flow node degrades
+    to a smaller flow model) and its text capacity (every instruction the main engine takes fits it too)."""
+    return preset(config.scheduler.smaller_preset, action_head=main.action_head).replace(
+        max_text_tokens=main.max_text_tokens)
+
+
 def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
                    launch: str | None = None) -> tuple[MultiRatePolicy, MultiRatePolicy | None, BackendChoice]:
     """The main engine's policy and the smaller engine's: with `scheduler.smaller_preset` that preset (given the main
-    engine's text capacity, so that every instruction the main engine takes fits it too), with
+    engine's action head and text capacity: smaller_shapes), with
     `scheduler.smaller_recipe` the same model in that recipe (degrade by precision); on the resolved backend."""
     section = config.model
     choice = choice or resolve_backend(config)
@@ -136,7 +144,7 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
     policy = policy_for(main)
     small = None
     if config.scheduler.smaller_preset is not None:
-        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=policy.config.max_text_tokens)
+        shapes = smaller_shapes(config, policy.config)
         small = policy_for(load_model(shapes, weights, seed=section.seed))
     elif config.scheduler.smaller_recipe is not None:  # degrade by precision: the same model, another recipe
         if choice.backend in ("torch", "cudagraph"):
@@ -158,7 +166,7 @@ def build_launch_engines(config: NodeConfig, launch: str | None = None, progress
     main = load_model(section.model_config(), "plain", section.checkpoint, section.seed)
     builds = [("main", main, choice.recipe)]
     if config.scheduler.smaller_preset is not None:
-        shapes = preset(config.scheduler.smaller_preset).replace(max_text_tokens=main.config.max_text_tokens)
+        shapes = smaller_shapes(config, main.config)
         builds.append(("smaller", load_model(shapes, "plain", seed=section.seed), choice.recipe))
     elif config.scheduler.smaller_recipe is not None:
         builds.append(("smaller", main, config.scheduler.smaller_recipe))

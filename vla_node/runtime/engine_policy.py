@@ -9,8 +9,12 @@ into buffers this policy owns) and commits their outputs:
                                      decoder's reuse state is then the new instruction's, so the next frame may
                                      refresh partially, where the eager policy refreshes the decoder in full)
     update_vision  tower-K (every camera) | decoder-K-a | decoder-K-b, or decoder-tick-K-a | -b with the action
-                                            tick in the frame's pass
-    action_tick    tick (the fused form: the new state, the other stored states recomputed, the queries)
+                                            tick in the frame's pass (bins head; a flow tick never joins it)
+    action_tick    tick (the fused form: the new state, the other stored states recomputed, the queries); the
+                   flow head: flow-tick-N (N Euler steps of the expert, after the same state rows: FlowTickStep),
+                   N = `steps` (default the model's flow_steps) among the counts built. A tick guided toward the
+                   previous chunk (real-time chunking: a vector-Jacobian product per step, not exported) runs the
+                   eager flow tick (runtime/flow_tick.py) over the same partitions
 
 `|` is a budget check: a stage stopped there has written only staging buffers, so the cache, the prefix buffers
 and the reuse state stay as they were. The same code runs every backend: torch (the step modules eagerly),
@@ -18,9 +22,10 @@ onnxruntime, tensorrt, cudagraph. The state a partial refresh needs (the tower's
 queries, keys, values and residual updates) lives in two sets of buffers, live and staged, swapped on commit.
 
 What it covers: one frame in the vision memory (vision_frames = 1, fifo), parallel action decoding, reuse without
-drift gates (the node's defaults). The host's buffers are fp32 whatever `model.dtype` says: an engine's precision
-is its recipe's (the ONNX graph's own types, int8 Q/DQ). Other configurations stay on MultiRatePolicy (backend "torch"
-with the eager policy): constructing this policy for one is a ValueError naming the setting.
+drift gates (the node's defaults); either action head (the flow head at the step counts its engines were built for).
+The host's buffers are fp32 whatever `model.dtype` says: an engine's precision is its recipe's (the ONNX graph's own
+types, int8 Q/DQ). Other configurations stay on MultiRatePolicy (backend "torch" with the eager policy): constructing
+this policy for one is a ValueError naming the setting.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ import numpy as np
 import torch
 
 from vla_node.backends.engine_set import EngineSet, capacities, decoder_cut, tick_positions
+from vla_node.backends.flow_step import flow_bias, state_bias, state_positions
 from vla_node.backends.steps import text_bias, tick_bias
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.action_head import ActionChunk, check_state
 from vla_node.model.config import ModelConfig
+from vla_node.model.flow import ChunkGuide, tick_noise
 from vla_node.model.tokenizer import encode
 from vla_node.model.vla import VLA, to_pixels
 from vla_node.runtime.policy import Check, MultiRatePolicy, StageAborted, VisionUpdate, on_device
@@ -113,13 +120,31 @@ class EnginePolicy(MultiRatePolicy):
         self._tick_block_bias = zeros(S + Q, P + S + Q)
         self._tick_out = {"logits": zeros(Q, c.vocab_size), "state_k": kv(S), "state_v": kv(S)}
         self._other_slots = [torch.tensor([(slot + i) % S for i in range(1, S)], dtype=torch.long) for slot in range(S)]
+        self._ring_stale = False  # a commit since the last tick: the ring's stored states are not recomputed yet
+        self._noise_host = zeros(c.action_horizon, c.action_dims, device="cpu")  # tick_noise draws on the CPU
+        self._noise_generator = torch.Generator()
+        self._flow_buffers = self._allocate_flow_buffers() if c.action_head == "flow" else {}
+
+    def _allocate_flow_buffers(self) -> dict[str, torch.Tensor]:
+        """The flow tick step's inputs and outputs (flow_step.py), by binding name: the prefix K/V are the bins tick's
+        and so are, for 'prefix', the state rows' (state_x, state_k / state_v: _commit_tick commits them)."""
+        c = self.config
+        S, P, n = c.state_slots, c.max_text_tokens + c.tokens_per_frame, c.flow_tokens
+        buffers = {"prefix_k": self._prefix_k, "prefix_v": self._prefix_v,  # the tick's prefix, loaded per commit
+                   "noise": torch.zeros(c.action_horizon, c.action_dims),
+                   "chunk": torch.zeros(c.action_horizon, c.action_dims)}
+        if c.flow_state == "suffix":
+            return {**buffers, "state": torch.zeros(c.state_dim), "expert_bias": torch.zeros(n, P + n)}
+        return {**buffers, "state_x": self._state_x, "positions": torch.zeros(S, dtype=torch.long),
+                "bias": torch.zeros(S, P + S), "expert_bias": torch.zeros(n, P + S + n),
+                "state_k": self._tick_out["state_k"], "state_v": self._tick_out["state_v"]}
 
     def storage_tensors(self) -> list[torch.Tensor]:
         buffers = [self._ids, self._text_block_bias, *self._new_text.values(), self._new_text_bias, self._text_k,
                    self._text_v, self._text_bias, self._prefix_k, self._prefix_v, self._prefix_bias, self._pixels,
                    *self._frame.values(), *self._streams.values(), self._state_x, self._tick_positions_buf,
                    self._tick_block_bias,
-                   *self._tick_out.values()]
+                   *self._tick_out.values(), *self._flow_buffers.values(), self._noise_host]
         for group in (*self._tower, *self._decoder, *self._tower_rows.values(), *self._decoder_rows.values()):
             buffers.extend(group.values())
         return [*self.text.storage_tensors(), *self.vision.storage_tensors(), *self.action.storage_tensors(),
@@ -147,6 +172,7 @@ class EnginePolicy(MultiRatePolicy):
 
     def _after_commit(self, prefix_loaded: bool = False) -> None:
         self._load_prefix()
+        self._ring_stale = True  # the next tick recomputes the stored states (the engines' fused form)
 
     # --- text -------------------------------------------------------------------------------------------
     @on_device
@@ -198,7 +224,7 @@ class EnginePolicy(MultiRatePolicy):
                   for cam, t in enumerate(tokens)]
         partial = bool(self._frame_ids) and all(t is not None for t in tokens) \
             and self._decoder_context == self.instruction
-        tick = state is not None
+        tick = state is not None and c.action_head == "bins"  # a flow tick never joins the frame's pass
         if tick:
             s = check_state(state, c.state_dim).to(self.device, torch.float32)
         if partial and all(t.numel() == 0 for t in tokens):  # nothing changed: the cache stays as it is
@@ -296,12 +322,18 @@ class EnginePolicy(MultiRatePolicy):
 
     # --- action -----------------------------------------------------------------------------------------
     @on_device
-    def action_tick(self, state, check: Check | None = None) -> ActionChunk:
+    def action_tick(self, state, check: Check | None = None, steps: int | None = None,
+                    guide: ChunkGuide | None = None) -> ActionChunk:
         """The tick step over the prefix: the new state in its ring slot, the other stored states recomputed, the
-        action queries decoded; committed at the end."""
+        action queries decoded; committed at the end. The flow head: _flow_tick (`steps` Euler steps, guided toward
+        `guide` where given)."""
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
         c = self.config
+        if c.action_head == "flow":
+            return self._flow_tick(state, check, steps, guide)
+        if steps is not None or guide is not None:
+            raise ValueError(f"denoising steps {steps!r} / guide: the flow head's; this model's head is bins")
         s = check_state(state, c.state_dim).to(self.device, torch.float32)
         slot = self.state_count % c.state_slots
         self._fill_tick_rows(s, slot, self._prefix_bias)
@@ -312,6 +344,69 @@ class EnginePolicy(MultiRatePolicy):
         chunk = self._chunk()
         self._commit_tick(slot)
         return chunk
+
+    # --- the flow head's tick ----------------------------------------------------------------------------
+    def flow_step_counts(self) -> tuple[int, ...]:
+        """The Euler step counts this policy's engines were built for (flow-tick-N), descending."""
+        counts = [name.removeprefix("flow-tick-") for name in self.engines.engines if name.startswith("flow-tick-")]
+        return tuple(sorted((int(n) for n in counts if n.isdigit()), reverse=True))
+
+    def _flow_tick(self, state, check: Check | None, steps: int | None, guide: ChunkGuide | None) -> ActionChunk:
+        """flow-tick-`steps` over the prefix (the state rows recomputed, as the bins tick's), from the noise the
+        eager tick draws; committed at the end. A count without an engine is a ValueError naming those built.
+
+        With `guide`, the eager flow tick (MultiRatePolicy.action_tick) over the same partitions and ring: it reads
+        the ring's stored K/V, which the engines leave stale after a commit (their tick recomputes them in its
+        rows), so they are recomputed first (_refresh_states, what the eager policy does after every commit). A
+        guided tick stopped part way thus leaves the ring refreshed (the K/V the next tick would compute; the
+        counts, validity and embeddings as they were), nothing else changed."""
+        c = self.config
+        steps = c.flow_steps if steps is None else steps
+        built = self.flow_step_counts()
+        if isinstance(steps, bool) or steps not in built:
+            raise ValueError(f"denoising steps {steps!r}: no flow-tick engine for that count; built: "
+                             f"{', '.join(map(str, built))} (model.flow_steps and scheduler.denoising_steps)")
+        if guide is not None:
+            if self._ring_stale and c.flow_state == "prefix":
+                self._refresh_states()  # what the eager policy does after every commit (idempotent)
+                self._ring_stale = False
+            return MultiRatePolicy.action_tick(self, state, check, steps, guide)
+        s = check_state(state, c.state_dim).to(self.device, torch.float32)
+        slot = self.state_count % c.state_slots
+        self._fill_flow_inputs(s, slot)
+        _stop(check, 0.0, "stopped before the flow tick step")
+        engine = self.engines[f"flow-tick-{steps}"]
+        buffers = self._flow_buffers
+        engine.run({n: buffers[n] for n in engine.input_names}, {n: buffers[n] for n in engine.output_names})
+        actions = buffers["chunk"].to("cpu", torch.float32, copy=True).numpy()  # the buffer is reused by the next tick
+        if c.flow_state == "prefix":
+            self.action.check_tokens(buffers["state_k"], buffers["state_v"],
+                                     torch.zeros(c.state_slots, dtype=torch.long), 0)  # before anything is committed
+            self._commit_tick(slot)
+            self._ring_stale = False  # every valid stored state was recomputed and committed with it
+        else:
+            self.state_count += 1
+        return ActionChunk(actions, None, None, steps)
+
+    def _fill_flow_inputs(self, state: torch.Tensor, slot: int) -> None:
+        """The flow tick step's inputs: the tick's noise; 'prefix': the state rows (_fill_tick_rows' new state | the
+        other ring slots), their positions and bias, the expert's bias over the prefix and those states; 'suffix':
+        the state vector and the expert's bias over the prefix."""
+        c, buffers = self.config, self._flow_buffers
+        tick_noise(c.action_horizon, c.action_dims, self.noise_seed, self.state_count, self._noise_generator,
+                   self._noise_host)
+        buffers["noise"].copy_(self._noise_host)
+        if c.flow_state == "suffix":
+            buffers["state"].copy_(state)
+            buffers["expert_bias"].copy_(flow_bias(c, self._prefix_bias, None))
+            return
+        others = self._other_slots[slot]
+        stored_valid = self.action.valid.index_select(0, others)  # [S - 1]
+        self._state_x[0].copy_(self.model.embed_state(state)[0])
+        self._state_x[1:].copy_(self._state_embeds.index_select(0, others))
+        buffers["positions"].copy_(state_positions(c, slot))
+        buffers["bias"].copy_(state_bias(self._prefix_bias, stored_valid))
+        buffers["expert_bias"].copy_(flow_bias(c, self._prefix_bias, stored_valid))
 
     def _fill_tick_rows(self, state: torch.Tensor, slot: int, prefix_bias: torch.Tensor) -> None:
         """The tick block's inputs: the new state's embedding, then the other ring slots' stored embeddings (in
