@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.calibration import StepRecorder, write_calibration
-from vla_node.backends.engine_set import EngineSet, capacities, step_specs, torch_engines
+from vla_node.backends.engine_set import EngineSet, capacities, flow_step_counts, step_specs, torch_engines
 from vla_node.backends.export import export_step
 from vla_node.backends.loading import load_model
 from vla_node.backends.store import weights_digest
@@ -84,7 +84,8 @@ def calibrate(config: NodeConfig, images: Iterator[list[np.ndarray]], source: st
     model = load_model(section.model_config(), "plain", section.checkpoint, section.seed)
     c = model.config
     samples = config.reuse.shared_drift_samples
-    specs = step_specs(c, samples, tick_in_frame=True)
+    counts = flow_step_counts(c, config.scheduler.denoising_steps) if c.action_head == "flow" else (None,)
+    specs = step_specs(c, samples, tick_in_frame=True, denoising_steps=config.scheduler.denoising_steps)
     engines = torch_engines(model, specs, section.device).engines
     recorders = {name: StepRecorder(engine, limit) for name, engine in engines.items()}
     policy = EnginePolicy(model, EngineSet("torch", "fp32", recorders), config.cache, section.device, config.reuse)
@@ -106,9 +107,9 @@ def calibrate(config: NodeConfig, images: Iterator[list[np.ndarray]], source: st
         update = policy.update_vision(batch, tokens, scene_cut, None, state if frames % 2 else None)
         for gate, plan, image in zip(gates, plans, batch):
             gate.commit(plan, image)
-        if update.chunk is None:
-            policy.action_tick(state)
-        policy.action_tick(state)
+        for tick in range(1 if update.chunk is not None else 2):  # the flow head: every engine's step count in turn
+            steps = counts[(2 * frames + tick) % len(counts)]
+            policy.action_tick(state) if steps is None else policy.action_tick(state, steps=steps)
         if frames % 8 == 0:
             progress(f"calibrate: {frames} frames, {sum(len(r.samples) for r in recorders.values())} step calls kept")
     if frames == 0:
