@@ -110,7 +110,7 @@ def test_fewer_steps_deviate_from_the_full_steps_chunk_of_the_same_noise():
 
 
 def test_the_accuracy_frames_are_the_real_clip_where_found_else_synthetic(monkeypatch, tmp_path):
-    from vla_node.bench.suite import default_clip
+    from vla_node.bench.clips import default_clip
 
     if default_clip() is not None:
         frames, source = bench_cache.accuracy_frames(2, 32)

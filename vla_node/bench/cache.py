@@ -521,8 +521,8 @@ def accuracy_frames(n: int, image_size: int) -> tuple[list[np.ndarray], dict]:
     """n frames for the fewer-steps accuracy: the shared real freeway clip at 10 fps where it is found (bench all's
     clip: $VLA_NODE_DRIVES, else ../shared/data/drives beside the checkout), resized to the model's input; else the
     synthetic 640x480 drive. Returns (frames, what they are)."""
+    from vla_node.bench.clips import CLIP_FPS, default_clip
     from vla_node.bench.reuse import load_frames
-    from vla_node.bench.suite import CLIP_FPS, default_clip
 
     clip = default_clip()
     if clip is not None:

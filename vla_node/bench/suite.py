@@ -36,25 +36,17 @@ import torch
 
 from vla_node.backends import cpu_features
 from vla_node.bench import per_frame
+from vla_node.bench.clips import CLIP_FPS, default_clip
 from vla_node.bench.engines import cpu_model
 from vla_node.bench.suite_report import markdown, render_html
 from vla_node.config import default_launch, load_launch
 from vla_node.validate import require
 
-CLIP_NAME = "day_freeway_solid_white_right.mp4"
-CLIP_FPS = 10.0
 FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
                "avx_vnni", "f16c")
 TARGETS = {"speedup_vs_hf": (">=", 10.0), "tick_ratio_to_floor": ("<=", 2.0), "frame_ratio_to_floor": ("<=", 2.0),
            "replay_latency_p99_ms": ("<=", 100.0), "replay_deadline_misses": ("<=", 0),
            "replay_control_jitter_p99_ms": ("<=", 2.0), "startup_s": ("<=", 5.0)}
-
-
-def default_clip() -> Path | None:
-    """The freeway clip of the shared real drives, where it is."""
-    root = Path(os.environ.get("VLA_NODE_DRIVES", Path(__file__).resolve().parents[2].parent / "shared" / "data" /
-                               "drives"))
-    return root / CLIP_NAME if (root / CLIP_NAME).is_file() else None
 
 
 def versions() -> dict[str, str]:
