@@ -227,3 +227,20 @@ def test_the_expert_keeps_differentiable_linear_layers_whatever_the_weight_forma
     converted.update_text("keep the lane")
     with pytest.raises(ValueError, match="plain linear layers .* got \\['Fp16WeightLinear'\\]"):
         converted.action_tick(state, guide=guide)
+
+
+@pytest.mark.parametrize("state", ["prefix", "suffix"])
+def test_a_guide_of_zero_weight_leaves_the_tick_as_it_is_over_the_default_storage(state):
+    """The guided path attends over its own dense copy of the context; with every weight 0 (no overlap) its
+    velocity is the plain one, so the chunk equals the unguided tick's. Over the default cache (bf16 text, INT8
+    vision: partitions read through conversion buffers layer by layer) this checks that copy layer by layer."""
+    config = flow_config(state)
+    frame, state_vector = next(frames_and_states(1))
+    chunks = []
+    for guide in (None, ChunkGuide(torch.zeros(4, 2), frozen=0, overlap=0)):
+        policy = MultiRatePolicy(build_vla(config, seed=3), CacheConfig())
+        policy.update_text("keep the lane")
+        policy.update_vision(policy.prepare_frames([frame]))
+        policy.action_tick(state_vector)  # a stored state in the ring (prefix)
+        chunks.append(policy.action_tick(state_vector, guide=guide).actions)
+    assert np.abs(chunks[0] - chunks[1]).max() <= 1e-5

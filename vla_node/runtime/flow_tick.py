@@ -146,17 +146,20 @@ class FlowTick:
         return segments
 
     def _dense_attention(self, slot: int, k_s: torch.Tensor | None, v_s: torch.Tensor | None) -> Callable:
-        """The guided path: the context copied once into dense K/V [L, KV, S, hd] and a bias [n, S] (outside
+        """The guided path: the context copied once into dense K/V [L, KV, S, hd] and a bias [n, S + n] (outside
         inference mode, so that autograd may keep them), each layer's attention one buffer_attention over the
-        context and the block."""
+        context and the block. Each layer is copied as soon as it is read: a partition stored in another dtype reads
+        every layer into the same conversion buffers."""
         p, c = self.policy, self.config
         n = c.flow_tokens
-        layers = [self._segments(layer, k_s, v_s) for layer in range(c.num_layers)]
         with torch.inference_mode(False):
-            keys = torch.stack([torch.cat([s.k for s in segs], 1) for segs in layers])  # [L, KV, S, hd]
-            values = torch.stack([torch.cat([s.v for s in segs], 1) for segs in layers])
+            keys, values = [], []
+            for layer in range(c.num_layers):
+                segments = self._segments(layer, k_s, v_s)
+                keys.append(torch.cat([s.k for s in segments], 1))  # [KV, S, hd]
+                values.append(torch.cat([s.v for s in segments], 1))
             bias = torch.cat([fill_bias(torch.zeros(n, s.k.shape[1], device=p.device), s.mask, s.bias)
-                              for s in layers[0]] + [self._block_bias(n)], 1)  # [n, S + n]
+                              for s in segments] + [self._block_bias(n)], 1)  # [n, S + n]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return buffer_attention(q, torch.cat([keys[layer], k], 1), torch.cat([values[layer], v], 1), bias)
