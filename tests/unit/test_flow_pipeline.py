@@ -119,8 +119,8 @@ def test_real_time_chunking_keeps_a_new_chunk_close_to_the_one_it_replaces(tmp_p
     """H = 8 steps of 20 ms; a frame every 40 ms; the tick takes 33 ms (10 steps + the state's pass at 3 ms), so two
     steps are frozen and four more guided. Without chunking a chunk starts at its step 0 when it arrives; with it, at
     the step for its arrival time, its overlap guided toward the chunk it replaces: the deviation from the replaced
-    chunk's own action at the boundary tick drops (30 frames: 1.90 -> 0.20), and so does the step the actuators see
-    there (1.82 -> 1.22); no tick falls back, and every frozen step is the old chunk's."""
+    chunk's own action at the boundary tick drops (30 frames: 1.90 -> 0.26), and so does the step the actuators see
+    there (1.82 -> 1.18); no tick falls back, and every frozen step is the old chunk's."""
     figures = {}
     for rtc in (False, True):
         clock = Clock()
