@@ -156,7 +156,11 @@ OVERSIZED = {  # name -> (parts, reason): every check reads the header (or the J
 def test_an_oversized_frame_is_rejected_before_decoding_and_counted(shared, case):
     node = shared
     make, reason = OVERSIZED[case]
-    before = node.health()
+    # the worker posts its counters once per health period: take them from a post made after every frame sent so far
+    # (else a frame the last test sent may be counted between the two readings)
+    sent = time.monotonic_ns()
+    before = node.health(until=lambda h: h["worker_age_ms"] is not None and
+                         h["stamp_ns"] - h["worker_age_ms"] * 1e6 >= sent)
     node.client.send_parts(make())
     after = node.health(until=lambda h: h["rejected"] > before["rejected"])
     assert delta(after, before, reason) == 1 == after["rejected"] - before["rejected"], after["rejects"]
