@@ -62,4 +62,5 @@ def test_curve_refuses_a_plaintext_client_then_admits_the_allowed_one(tmp_path):
         node.process.wait_log(node.process.SOCKETS_OPEN)
         got = try_without_access(node, 1.5)  # no CURVE at all
         assert got == (0, 0), f"a client without CURVE received (actions, health) = {got}"
-        allowed_client_works(node, tmp_path / "keys", set(node.sent), handshake_s=5.0)
+        # the node notices the connections libzmq gave up and connects them again: allow a loaded machine time
+        allowed_client_works(node, tmp_path / "keys", set(node.sent), handshake_s=15.0)
