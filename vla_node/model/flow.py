@@ -89,14 +89,20 @@ def guided_velocity(velocity: Velocity, x: torch.Tensor, tau: float, guide: Chun
     return v.detach() + guidance_weight(tau, guide.beta) * g.detach()
 
 
+def check_steps(steps: object) -> int:
+    """A denoising step count: an integer >= 1, else a ValueError naming it."""
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"denoising steps {steps!r}: expected an integer >= 1")
+    return steps
+
+
 def integrate(velocity: Velocity, noise: torch.Tensor, steps: int, guide: ChunkGuide | None = None,
               check: Callable[[float], bool] | None = None, on_stop: Callable[[int], Exception] | None = None
               ) -> torch.Tensor:
     """The chunk [H, D]: `steps` Euler steps of `velocity` from `noise` (tau 0) to tau 1; with `guide`, real-time
     chunking's guided steps and the frozen steps set to the target's. `check(fraction)` before each step: False
     raises on_stop(step)."""
-    if not (isinstance(steps, int) and steps >= 1):
-        raise ValueError(f"denoising steps {steps!r}: expected an integer >= 1")
+    check_steps(steps)
     weights = None if guide is None else guide.weights.to(noise.device)
     dt = 1.0 / steps
     x = noise

@@ -23,7 +23,7 @@ import torch
 from vla_node.kv.attention import Segment, buffer_attention, fill_bias
 from vla_node.model.action_head import ActionChunk, check_state
 from vla_node.model.expert import block_mask, block_positions
-from vla_node.model.flow import ChunkGuide, integrate, tick_noise
+from vla_node.model.flow import ChunkGuide, check_steps, integrate, tick_noise
 from vla_node.runtime.stages import Check, StageAborted, span
 
 
@@ -51,9 +51,7 @@ class FlowTick:
         [L, KV, 1, hd], its position [1]) for a prefix state, None for a suffix state (nothing in the ring). Every
         write is checked before this returns."""
         p, c, m = self.policy, self.config, self.policy.model
-        steps = c.flow_steps if steps is None else steps
-        if not (isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"denoising steps {steps!r}: expected an integer >= 1")
+        steps = check_steps(c.flow_steps if steps is None else steps)  # before any work
         if guide is not None and self.layer_types:
             raise ValueError(f"real-time chunking's guidance needs the expert's plain linear layers (torch.nn.Linear), "
                              f"got {self.layer_types}: load the model with backends.loading.load_model")
