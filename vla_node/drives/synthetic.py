@@ -21,6 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
+from vla_node.sim.paint import PALETTE_NAMES, VEHICLE_COLOURS, box, draw_vehicle_rear, fogged, jittered_palette
 from vla_node.validate import is_int, is_number, require
 
 NS_PER_S = 1_000_000_000
@@ -32,28 +33,7 @@ POST_SPACING_M = 40.0
 MAX_GROUND_DISTANCE_M = 400.0
 CUT_SPACING_S = (8.0, 12.0)
 NOISE_VARIANTS = 4
-
-# Time-of-day palettes (RGB 0-255): a cut always switches to a different one.
-PALETTES: dict[str, dict[str, tuple[float, float, float]]] = {
-    "day": dict(sky_top=(60, 120, 205), sky_horizon=(185, 210, 235), hills=(85, 110, 85), grass=(85, 125, 60),
-                road=(100, 100, 104), marking=(235, 235, 228), fog=(190, 205, 220), tail=(200, 40, 40)),
-    "overcast": dict(sky_top=(135, 140, 150), sky_horizon=(205, 207, 212), hills=(115, 122, 120),
-                     grass=(100, 115, 80), road=(118, 118, 120), marking=(225, 225, 220), fog=(200, 202, 206),
-                     tail=(190, 45, 45)),
-    "dusk": dict(sky_top=(55, 45, 110), sky_horizon=(245, 150, 80), hills=(55, 40, 60), grass=(60, 58, 42),
-                 road=(72, 66, 72), marking=(215, 200, 180), fog=(190, 120, 90), tail=(255, 60, 50)),
-    "night": dict(sky_top=(6, 8, 22), sky_horizon=(32, 32, 55), hills=(12, 12, 22), grass=(16, 22, 16),
-                  road=(34, 34, 40), marking=(170, 170, 160), fog=(30, 30, 48), tail=(255, 50, 40)),
-    "desert": dict(sky_top=(80, 145, 225), sky_horizon=(225, 218, 200), hills=(175, 130, 90),
-                   grass=(195, 165, 115), road=(125, 112, 106), marking=(240, 225, 150), fog=(215, 205, 185),
-                   tail=(210, 40, 35)),
-}
-PALETTE_NAMES = tuple(PALETTES)
-VEHICLE_COLOURS = np.array(
-    [(200, 200, 205), (25, 25, 30), (150, 20, 25), (30, 60, 140), (120, 125, 130), (230, 230, 225), (60, 90, 60)],
-    dtype=np.float32,
-)
-
+POST_COLOUR = np.array((225, 225, 215), np.float32)
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticDriveConfig:
@@ -113,8 +93,7 @@ class _Scene:
         w, h = config.width, config.height
         self.start_frame = start_frame
         self.palette_name = palette_name
-        pal = {k: np.array(v, np.float32) + rng.uniform(-8, 8, 3).astype(np.float32)
-               for k, v in PALETTES[palette_name].items()}
+        pal = jittered_palette(palette_name, rng)
         self.palette = pal
         self.focal = 0.75 * w
         # alternate horizon band and bend direction so that consecutive scenes always differ in geometry
@@ -235,17 +214,6 @@ class _Scene:
         column = self.backgrounds.shape[2] / 2 + self.focal * (self.curvature * z + x_m / z)
         return column, self.horizon + self.focal * CAMERA_HEIGHT_M / z
 
-    def _box(self, out: np.ndarray, x0: float, x1: float, y0: float, y1: float, colour: np.ndarray) -> None:
-        h, w = out.shape[:2]
-        c0, c1 = max(int(round(x0)), 0), min(int(round(x1)), w)
-        r0, r1 = max(int(round(y0)), 0), min(int(round(y1)), h)
-        if c1 > c0 and r1 > r0:
-            out[r0:r1, c0:c1] = colour
-
-    def _fogged(self, colour: np.ndarray, z: float) -> np.ndarray:
-        f = 1 - math.exp(-z / self.fog_m)
-        return np.clip(np.rint(colour * (1 - f) + self.palette["fog"] * f), 0, 255).astype(np.uint8)
-
     def draw_posts(self, out: np.ndarray, travelled_m: float) -> None:
         offset = travelled_m % POST_SPACING_M
         for j in range(int(250 / POST_SPACING_M), 0, -1):  # far to near
@@ -255,8 +223,8 @@ class _Scene:
             for side_m in (self.road_left_m - 1.2, self.road_right_m + 1.2):
                 col, bottom = self._screen(z, side_m)
                 half = max(0.06 * self.focal / z, 0.5)
-                self._box(out, col - half, col + half, bottom - self.focal * 1.0 / z, bottom,
-                          self._fogged(np.array((225, 225, 215), np.float32), z))
+                box(out, col - half, col + half, bottom - self.focal * 1.0 / z, bottom,
+                    fogged(POST_COLOUR, z, self.palette["fog"], self.fog_m))
 
     def draw_vehicles(self, out: np.ndarray, t: float) -> None:
         placed = []
@@ -275,18 +243,8 @@ class _Scene:
         for z, x, v in placed:
             col, bottom = self._screen(z, x)
             half = self.focal * v.width_m / 2 / z
-            top = bottom - self.focal * v.height_m / z
-            height = bottom - top
-            self._box(out, col - half, col + half, top, bottom, self._fogged(v.colour * (0.5 if night else 1), z))
-            self._box(out, col - 0.8 * half, col + 0.8 * half, top + 0.1 * height, top + 0.4 * height,
-                      self._fogged(v.colour * 0.35, z))  # rear window
-            self._box(out, col - half, col + half, bottom - 0.14 * height, bottom,
-                      self._fogged(np.array((20, 20, 22), np.float32), z))  # bumper / shadow
-            lamp = self.palette["tail"] * (1.0 if night else 0.85)
-            for side in (-1, 1):
-                lx = col + side * 0.75 * half
-                self._box(out, lx - 0.18 * half, lx + 0.18 * half, top + 0.5 * height, top + 0.65 * height,
-                          self._fogged(lamp, z * (0.3 if night else 1.0)))
+            draw_vehicle_rear(out, col, bottom - self.focal * v.height_m / z, bottom, half, z, v.colour,
+                              self.palette, self.fog_m, night)
 
 
 class SyntheticDrive:
