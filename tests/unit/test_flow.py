@@ -15,6 +15,7 @@ from vla_node.model.flow import ChunkGuide, integrate, soft_mask, tick_noise
 from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy, StageAborted
 from vla_node.runtime.reference import ReferencePolicy
+from vla_node.validate import ConfigError
 
 
 def flow_config(state="prefix", **changes):
@@ -244,3 +245,14 @@ def test_a_guide_of_zero_weight_leaves_the_tick_as_it_is_over_the_default_storag
         policy.action_tick(state_vector)  # a stored state in the ring (prefix)
         chunks.append(policy.action_tick(state_vector, guide=guide).actions)
     assert np.abs(chunks[0] - chunks[1]).max() <= 1e-5
+
+
+def test_a_smaller_noise_scale_is_drawn_alike_by_the_cached_tick_and_the_reference():
+    """flow_noise_scale 0.1 (a model trained on small actions): the same noise, scaled, on both paths; and the
+    integration starts from a tenth of the unit noise."""
+    ours, theirs = run_both(flow_config(flow_noise_scale=0.1), CacheConfig.exact(), steps=1, frames=3)
+    assert max_diff(ours, theirs) <= 1e-4
+    unit = tick_noise(4, 2, 0, 5)
+    assert torch.equal(tick_noise(4, 2, 0, 5, scale=0.1), unit * 0.1)
+    with pytest.raises(ConfigError, match="model.flow_noise_scale = 0.0"):
+        flow_config(flow_noise_scale=0.0)

@@ -62,6 +62,8 @@ class ModelConfig:
     expert_intermediate_size: int = 768
     flow_steps: int = 10
     flow_state: FlowState = "prefix"
+    flow_noise_scale: float = 1.0  # the noise's standard deviation: about the actions' own scale (pi0 normalizes the
+                                   # actions to unit scale instead; a model trained on small actions takes a small one)
 
     def __post_init__(self) -> None:
         positive = (
@@ -89,7 +91,7 @@ class ModelConfig:
                 f"{self.action_dims} values (one per action dim)")
         require(len(self.action_high) == self.action_dims, "model.action_high", self.action_high,
                 f"{self.action_dims} values (one per action dim)")
-        for key in ("rms_eps", "vision_eps", "rope_theta"):
+        for key in ("rms_eps", "vision_eps", "rope_theta", "flow_noise_scale"):
             value = getattr(self, key)
             require(is_number(value)
                     and value > 0, f"model.{key}", value, "a finite number > 0")

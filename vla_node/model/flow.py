@@ -48,13 +48,15 @@ class ChunkGuide:
 
 
 def tick_noise(horizon: int, dims: int, seed: int, tick: int, generator: torch.Generator | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Gaussian noise [H, D] fp32 a tick starts from: a function of (seed, tick index) alone, so that a replay, the
-    reference and the cached policy draw the same (into `out` where given, with a reused `generator`)."""
+               out: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """The Gaussian noise [H, D] fp32 a tick starts from, of standard deviation `scale` (the model's
+    flow_noise_scale): a function of (seed, tick index) alone, so that a replay, the reference and the cached policy
+    draw the same (into `out` where given, with a reused `generator`)."""
     generator = torch.Generator() if generator is None else generator
     # torch's CPU generator keeps 32 bits of its seed: the pair is hashed to 32 bits (SeedSequence's mixing)
     generator.manual_seed(int(np.random.SeedSequence([seed, tick]).generate_state(1)[0]))
-    return torch.randn(horizon, dims, generator=generator, out=out)
+    noise = torch.randn(horizon, dims, generator=generator, out=out)
+    return noise if scale == 1.0 else noise.mul_(scale)
 
 
 def soft_mask(horizon: int, frozen: int, overlap: int) -> torch.Tensor:

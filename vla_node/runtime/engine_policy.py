@@ -394,7 +394,7 @@ class EnginePolicy(MultiRatePolicy):
         the state vector and the expert's bias over the prefix."""
         c, buffers = self.config, self._flow_buffers
         tick_noise(c.action_horizon, c.action_dims, self.noise_seed, self.state_count, self._noise_generator,
-                   self._noise_host)
+                   self._noise_host, c.flow_noise_scale)
         buffers["noise"].copy_(self._noise_host)
         if c.flow_state == "suffix":
             buffers["state"].copy_(state)

@@ -90,7 +90,8 @@ class FlowTick:
             hidden = self._run_expert(block, cos_b, sin_b, attend)
             return m.expert.velocity(hidden)
 
-        noise = tick_noise(c.action_horizon, c.action_dims, p.noise_seed, p.state_count, self.generator, self.noise)
+        noise = tick_noise(c.action_horizon, c.action_dims, p.noise_seed, p.state_count, self.generator, self.noise,
+                           c.flow_noise_scale)
         chunk = integrate(velocity, noise.to(p.device, p.dtype), steps, guide, span(check, first, 1.0),
                           lambda i: StageAborted(f"stopped before denoising step {i}"))
         result = ActionChunk(chunk.float().cpu().numpy(), None, None, steps)

@@ -133,6 +133,7 @@ class ReferencePolicy:
             return m.expert.velocity(joint_hidden(m, prefix, positions, block, mask))
 
         steps = c.flow_steps if steps is None else steps
-        noise = tick_noise(c.action_horizon, c.action_dims, self.noise_seed, self.state_count - 1).to(self.dtype)
+        noise = tick_noise(c.action_horizon, c.action_dims, self.noise_seed, self.state_count - 1,
+                           scale=c.flow_noise_scale).to(self.dtype)
         chunk = integrate(velocity, noise, steps, guide)
         return ActionChunk(chunk.float().numpy(), None, None, steps)
