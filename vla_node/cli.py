@@ -80,6 +80,14 @@ def cmd_bench(args) -> int:
         if getattr(args, "json_path", None) is not None:
             raise ConfigError("bench all: --json does not apply (it writes DIR/bench.json; see --out)")
         suite.run(**bench_kwargs(args, "preset", "out_dir", "drive", "launch", "frames", "threads", "quick"))
+    elif args.what == "closed-loop":
+        from vla_node.bench import closed_loop
+
+        kwargs = bench_kwargs(args, None, "checkpoints", "minutes", "out_dir")
+        for name in ("seeds", "heads", "only"):
+            if getattr(args, name, None):
+                kwargs[name] = tuple(getattr(args, name))
+        closed_loop.run(**kwargs)
     else:
         from vla_node.bench import reuse
 
@@ -103,7 +111,7 @@ def launch_config(args):
 
     from vla_node.config import default_launch, load_launch
 
-    config = load_launch(args.launch or default_launch())
+    config = load_launch(args.launch or default_launch(), getattr(args, "set", None) or ())
     overrides = addresses(args)
     if overrides:
         config = config.replace(transport=dataclasses.replace(config.transport, **overrides))
@@ -179,7 +187,7 @@ def cmd_replay(args) -> int:
 
     replay(args.drive, args.launch, connect=args.connect, rate=args.rate, as_fast_as_possible=args.as_fast_as_possible,
            loop=args.loop, topic=args.topic, out_dir=args.out, progress=not args.no_progress,
-           addresses=addresses(args), **given(args, "warmup_timeout_s"))
+           addresses=addresses(args), overrides=tuple(args.set or ()), **given(args, "warmup_timeout_s"))
     return 0
 
 
@@ -208,6 +216,38 @@ def cmd_fuzz(args) -> int:
     return 0 if summary["ok"] else 1
 
 
+def cmd_train(args) -> int:
+    """Behaviour cloning of the simulator's expert into a checkpoint (resumes a run found in --out)."""
+    from vla_node.train.trainer import TrainConfig, train
+
+    config = TrainConfig(preset=args.preset, action_head=args.action_head,
+                         **given(args, "steps", "batch_size", "lr", "seed", "episodes", "save_every", "workers",
+                                 "threads"))
+    state = train(config, args.out, progress=not args.no_progress)
+    first, last = state["losses"][0][1], state["losses"][-1][1]
+    held_out = state["validation"][-1][1] if state["validation"] else None
+    print(f"wrote {args.out}: {config.preset} {config.action_head} checkpoint after {state['step']} steps in "
+          f"{state['seconds'] / 60:.1f} min; training loss {first:.4f} -> {last:.4f}"
+          + (f", held-out loss {held_out:.4f}" if held_out is not None else ""))
+    if args.evaluate:
+        from vla_node.model.checkpoint import load_checkpoint
+        from vla_node.train.evaluate import evaluate
+
+        result = evaluate(load_checkpoint(args.out), seeds=tuple(range(args.evaluate)), seconds=120.0,
+                          progress=not args.no_progress)
+        print("closed loop in process (reference path, 2 min each): " + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items() if k != "drives"))
+    return 0
+
+
+def cmd_drive(args) -> int:
+    from vla_node.drives.closed_loop import drive
+
+    drive(args.checkpoint, args.launch, overrides=tuple(args.set or ()), progress=not args.no_progress,
+          **given(args, "minutes", "seed", "out_dir"))
+    return 0
+
+
 def addresses(args) -> dict | None:
     """The command line's address overrides, or None."""
     overrides = {k: getattr(args, k) for k in ("frames", "commands", "actions", "health") if getattr(args, k)}
@@ -220,6 +260,12 @@ def parse_size(text: str) -> tuple[int, int]:
     except ValueError:
         raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x480") from None
     return w, h
+
+
+def add_set_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="change one launch-file value for this run (repeatable), e.g. --set reuse.threshold=4 "
+                        "--set model.checkpoint=ckpt/tiny")
 
 
 def add_address_options(p: argparse.ArgumentParser) -> None:
@@ -237,7 +283,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_drive_commands(sub)
     add_bench_commands(sub)
     add_fuzz_command(sub)
+    add_closed_loop_commands(sub)
     return parser
+
+
+def add_closed_loop_commands(sub) -> None:
+    """train, drive."""
+    p = sub.add_parser("train", help="behaviour cloning of the road simulator's expert driver into a checkpoint")
+    p.add_argument("--preset", default="tiny", help="tiny | small | base (default tiny)")
+    p.add_argument("--action-head", default="bins", choices=("bins", "flow"),
+                   help="bins (cross-entropy over 256 bins per dim) | flow (the flow-matching loss)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 4000)")
+    p.add_argument("--out", required=True, help="checkpoint directory (a run found there is resumed)")
+    p.add_argument("--batch-size", type=int, help="samples per step (default 64)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, help="seeds the weights, the dataset and the batches (default 0)")
+    p.add_argument("--episodes", type=int, help="simulator episodes in the dataset (default 200)")
+    p.add_argument("--save-every", type=int, help="steps between snapshots (default 500)")
+    p.add_argument("--workers", type=int, help="dataset worker processes (default 2)")
+    p.add_argument("--threads", type=int, help="torch threads while training (default: every core)")
+    p.add_argument("--evaluate", type=int, default=0, metavar="N",
+                   help="then drive N simulated 2-minute drives in process (reference path) and print the figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("drive", help="drive the road simulator with a node in real time (closed loop) and report")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint of `vla-node train`")
+    p.add_argument("--launch", help="launch file (default launch/sim.toml)")
+    p.add_argument("--minutes", type=float, help="real (= simulated) minutes (default 2)")
+    p.add_argument("--seed", type=int, help="the road (default 0)")
+    p.add_argument("--out", dest="out_dir", help="report directory (default out/drive)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_set_option(p)
+    p.set_defaults(func=cmd_drive)
 
 
 def add_node_commands(sub) -> None:
@@ -254,6 +332,7 @@ def add_node_commands(sub) -> None:
     p.add_argument("--launch", help="TOML launch file (default launch/cpu.toml)")
     p.add_argument("--no-build", action="store_true",
                    help="refuse to start when an engine is missing or stale (instead of building it)")
+    add_set_option(p)
     add_address_options(p)
     p.set_defaults(func=cmd_run)
 
@@ -302,6 +381,7 @@ def add_drive_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--warmup-timeout", dest="warmup_timeout_s", type=float,
                    help="seconds to wait for the node to answer (default 300: a cold model on a busy small CPU)")
+    add_set_option(p)
     add_address_options(p)
     p.set_defaults(func=cmd_replay)
 
@@ -387,6 +467,14 @@ def add_bench_commands(sub) -> None:
     q.add_argument("--max-frames", type=int, help="first frames of each drive, at its rate (default 30)")
     q.add_argument("--calibration-frames", type=int,
                    help="synthetic frames the int8-trt calibration records (default 8)")
+    q = bench_parser(bench, "closed-loop", "a trained policy driven by the node under each optimisation, side by side")
+    q.add_argument("--checkpoints", help="DIR/bins and DIR/flow (trained there where missing; default "
+                                         "out/closed-loop/checkpoints)")
+    q.add_argument("--minutes", type=float, help="each drive's length (default 1)")
+    q.add_argument("--seeds", type=int, nargs="+", help="roads, each driven by every configuration (default 0)")
+    q.add_argument("--heads", nargs="+", choices=("bins", "flow"), help="action heads (default both)")
+    q.add_argument("--only", nargs="+", metavar="NAME", help="only these configurations (e.g. reference defaults)")
+    q.add_argument("--out", dest="out_dir", help="keep every drive's reports, engines and calibration here")
     q = bench_parser(bench, "attention", "segmented against gathered attention over the partitions")
     add_threads(q)
     q = bench_parser(bench, "reuse", "vision-token reuse on real clips: reuse ratio, time saved, action deviation")

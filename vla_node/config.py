@@ -18,7 +18,7 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt", "cudagraph")  # as backends/engi
 RECIPES = ("fp32", "int8-ort", "int8-trt")  # the engines' recipes (backends/quantize.RECIPES)
 from vla_node.model.config import PRESETS, ModelConfig
 from vla_node.runtime.reuse import ReuseConfig
-from vla_node.sched.scheduler import SchedulerConfig
+from vla_node.sched.scheduler import SchedulerConfig, check_min_level, scheduler_levels
 from vla_node.validate import ConfigError, choose, from_dict, is_number, require
 from vla_node.wire.protocol import CameraSpec, ProtocolLimits
 from vla_node.wire.transport import TransportConfig
@@ -196,6 +196,10 @@ class NodeConfig:
                     self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
         if self.scheduler.smaller_preset is not None:
             choose("scheduler.smaller_preset", self.scheduler.smaller_preset, PRESETS)
+        if self.scheduler.min_level is not None:  # the node's levels: its features as the pipeline declares them
+            levels = scheduler_levels(self.scheduler, {"chunk": model.action_horizon > 1},
+                                      model.flow_steps if model.action_head == "flow" else None)
+            check_min_level(self.scheduler.min_level, levels)
         try:  # the vision memory's knobs bounded by the model's window and frame size, as the policy will see them
             self.cache.vision.for_model(model.vision_frames, model.tokens_per_frame)
         except ConfigError as e:
@@ -237,14 +241,46 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
-def load_launch(path: str | Path) -> NodeConfig:
-    """Read and validate a TOML launch file."""
+def parse_override(override: str) -> tuple[tuple[str, ...], object]:
+    """'section.key=value' (`--set`) -> (("section", "key"), value): the value read as a TOML value (a number, true,
+    a quoted string, an array), else, when it is not one, as a bare string (a path, a name)."""
+    key, sep, text = override.partition("=")
+    path = tuple(key.strip().split("."))
+    require(sep == "=" and len(path) >= 2 and all(path), "--set", override,
+            "SECTION.KEY=VALUE, e.g. reuse.threshold=4 or model.checkpoint=ckpt/tiny")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError):
+        value = text.strip()
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: tuple[str, ...] | list[str]) -> dict:
+    """The launch file's tables with each `--set` override applied (a copy); the result is validated as a whole by
+    load_launch, so an unknown key or a bad value fails there, named."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for override in overrides:
+        path, value = parse_override(override)
+        table = data
+        for depth, name in enumerate(path[:-1]):
+            inner = table.get(name, {})
+            require(isinstance(inner, dict), "--set", override,
+                    f"a key inside a table ({'.'.join(path[:depth + 1])} is not one; [[cameras]] cannot be set)")
+            table[name] = inner = dict(inner)
+            table = inner
+        table[path[-1]] = value
+    return data
+
+
+def load_launch(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> NodeConfig:
+    """Read and validate a TOML launch file, with `--set SECTION.KEY=VALUE` overrides applied first."""
     path = Path(path)
-    data = _read_toml(path)
+    data = apply_overrides(_read_toml(path), overrides)
     try:
         return from_dict(NodeConfig, data)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        where = f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def default_launch() -> Path:

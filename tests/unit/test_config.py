@@ -80,3 +80,35 @@ def test_a_window_above_the_presets_rebuilds_the_position_table(tmp_path):
     pipeline = Pipeline(config, warm_up_rounds=1)  # every stage on the new layout (it indexed past the old table)
     model = pipeline.policy.model
     assert model.config.vision_frames == 3 and model.decoder.rope.cos.shape[0] == model.config.max_positions
+
+
+def test_set_overrides_change_values_and_are_checked_like_the_file():
+    from vla_node.config import parse_override
+
+    config = load_launch(LAUNCH_DIR / "cpu.toml", ["reuse.threshold=4", "cache.vision.storage_dtype=fp32",
+                                                   "model.preset=tiny", "model.instruction=keep the lane",
+                                                   "scheduler.fallback_action=[0.0, -0.5]"])
+    assert config.reuse.threshold == 4.0 and config.cache.vision.storage_dtype == "fp32"
+    assert config.model.preset == "tiny" and config.model.instruction == "keep the lane"
+    assert config.scheduler.fallback_action == (0.0, -0.5)
+    assert parse_override("model.checkpoint=ckpt/tiny-bins") == (("model", "checkpoint"), "ckpt/tiny-bins")
+    assert parse_override('model.checkpoint="a=b"') == (("model", "checkpoint"), "a=b")
+    with pytest.raises(ConfigError, match=r"with --set reuse.thresold=4: reuse.thresold: unknown key.*'threshold'"):
+        load_launch(LAUNCH_DIR / "cpu.toml", ["reuse.thresold=4"])
+    with pytest.raises(ConfigError, match=r"reuse.threshold = -1.0"):
+        load_launch(LAUNCH_DIR / "cpu.toml", ["reuse.threshold=-1"])
+    for bad in ("threshold=4", "reuse.threshold", "cameras.name=rear"):
+        with pytest.raises(ConfigError, match=r"--set = "):
+            load_launch(LAUNCH_DIR / "cpu.toml", [bad])
+
+
+def test_a_forced_level_is_checked_against_the_nodes_levels_at_load(tmp_path):
+    ok = load_launch(write(tmp_path, "[model]\npreset = 'tiny'\ninstruction = 'go'\n[scheduler]\n"
+                                     "min_level = 'skip_vision'\n"))
+    assert ok.scheduler.min_level == "skip_vision"
+    with pytest.raises(ConfigError, match=r"scheduler.min_level = 'fewer_denoising_steps 5'.*one of \['normal'"):
+        load_launch(write(tmp_path, "[model]\npreset = 'tiny'\ninstruction = 'go'\n[scheduler]\n"
+                                    "min_level = 'fewer_denoising_steps 5'\n"))
+    flow = load_launch(write(tmp_path, "[model]\npreset = 'tiny'\naction_head = 'flow'\ninstruction = 'go'\n"
+                                       "[scheduler]\nmin_level = 'fewer_denoising_steps 5'\n"))
+    assert flow.scheduler.min_level == "fewer_denoising_steps 5"

@@ -751,3 +751,34 @@ def test_the_action_stage_wants_a_sample_of_its_own_every_half_cost_max_age():
     assert not sched.wants_action_sample(plan, T0 + 100 * MS)
     assert not sched.wants_action_sample(plan, T0 + 1003 * MS)
     assert sched.wants_action_sample(plan, T0 + 1004 * MS)  # 1000 ms after the sample, recorded at T0 + 4 ms
+
+
+# -- a forced level (scheduler.min_level) -------------------------------------------------------------------
+
+
+def test_min_level_is_a_floor_the_level_never_goes_below():
+    sched = small_scheduler(min_level="cap_refreshed_tokens 25%", recover_after_ok=3)
+    floor = FULL_LADDER_NAMES.index("cap_refreshed_tokens 25%")
+    assert sched.level == floor
+    t = T0
+    names = []
+    for load in [0.2] * 50 + [10.0] * 30 + [0.2] * 600:  # idle, an overload, idle again
+        plan, _, _ = run_frame(sched, t, t - 2 * MS, load)
+        names.append(plan.level_name)
+        assert plan.level >= floor or plan.probe, plan.level_name
+        assert sched.level >= floor
+        t += FRAME_PERIOD
+    assert names[:50] == ["cap_refreshed_tokens 25%"] * 50  # light load: the floor, never normal
+    assert max(FULL_LADDER_NAMES.index(n) for n in names[50:80]) > floor  # an overload still climbs above it
+    assert sched.level == floor and names[-1] == "cap_refreshed_tokens 25%"  # and recovery stops at the floor
+
+
+def test_min_level_names_a_level_that_runs_inference():
+    with pytest.raises(ConfigError, match=r"min_level = 'skip_visoin'.*did you mean 'skip_vision'"):
+        small_scheduler(min_level="skip_visoin")
+    with pytest.raises(ConfigError, match=r"min_level = 'chunk': expected a level of this node that runs inference"):
+        small_scheduler(min_level="chunk")
+    with pytest.raises(ConfigError, match=r"min_level = 'fewer_denoising_steps 5'"):  # a bins head has no such level
+        small_scheduler(min_level="fewer_denoising_steps 5")
+    flow = Scheduler(SchedulerConfig(min_level="fewer_denoising_steps 5"), SMALL_PRESET_MS, flow_steps=10)
+    assert flow.levels[flow.level].knobs.denoising_steps == 5

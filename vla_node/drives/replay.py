@@ -246,6 +246,7 @@ def replay(
     addresses: Mapping[str, str] | None = None,
     warmup_timeout_s: float = WARMUP_TIMEOUT_S,
     on_records: Callable[[list[FrameRecord], list[ActionRecord]], None] | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> tuple[dict, Path, Path]:
     """Replay `drive` through a node (started here from `launch`, default launch/cpu.toml; or the running one
     at the launch file's addresses with connect=True; `addresses` overrides any of frames/commands/actions/
@@ -253,7 +254,8 @@ def replay(
 
     rate: recorded timing x rate (2.0 = twice as fast); as_fast_as_possible: closed loop, one frame in flight;
     loop: play the drive this many times; topic: one camera of the drive (topic or camera name); on_records:
-    called with the report's frame and action records (for a caller's own figures).
+    called with the report's frame and action records (for a caller's own figures); overrides: `--set
+    SECTION.KEY=VALUE` changes to the launch file (config.apply_overrides), for the node started here.
     Raises DriveError (drive), ConfigError (arguments, launch file), NodeProcessError (node). A Ctrl-C while
     streaming stops the replay early, writes the report of what was sent, and is re-raised."""
     _check_pacing(rate, loop, warmup_timeout_s)
@@ -261,7 +263,7 @@ def replay(
     from vla_node.config import default_launch, load_launch
 
     launch_path = Path(launch) if launch is not None else default_launch()
-    config = load_launch(launch_path)
+    config = load_launch(launch_path, overrides)
     cameras = camera_map(reader, config)
     commands = list(reader.commands())
     _check_commands(reader.path, commands, config.limits)
@@ -278,7 +280,8 @@ def replay(
         build_launch_engines(config, str(launch_path), progress=lambda line: print(f"engines: {line}", flush=True))
     result, receiver, node = _replay_through_node(
         reader, commands, cameras, config, launch_path, transport, out, connect=connect, rate=rate,
-        as_fast_as_possible=as_fast_as_possible, loop=loop, progress=progress, warmup_timeout_s=warmup_timeout_s)
+        as_fast_as_possible=as_fast_as_possible, loop=loop, progress=progress, warmup_timeout_s=warmup_timeout_s,
+        overrides=overrides)
     report, json_path, html_path = _write_replay_report(reader, config, result, receiver, node, out, on_records)
     if result.interrupted:
         raise KeyboardInterrupt
@@ -297,7 +300,8 @@ def _check_pacing(rate: float, loop: int, warmup_timeout_s: float) -> None:
 def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], cameras: Mapping[str, str],
                          config: NodeConfig, launch_path: Path, transport: TransportConfig, out: Path, *,
                          connect: bool, rate: float, as_fast_as_possible: bool, loop: int, progress: bool,
-                         warmup_timeout_s: float) -> tuple[StreamResult, Receiver, NodeProcess | None]:
+                         warmup_timeout_s: float, overrides: tuple[str, ...] = ()
+                         ) -> tuple[StreamResult, Receiver, NodeProcess | None]:
     """Start the node (unless connect; its log in out/node.log), wait for it, stream the drive and drain its
     answers; the receiver, the client and the node are stopped whatever happens. Returns (the stream's result,
     the receiver with every action and health message, the node or None)."""
@@ -315,7 +319,7 @@ def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], came
     with ExitOn(signal.SIGTERM, signal.SIGHUP):
         try:
             if not connect:
-                node = NodeProcess(launch_path, transport, out / "node.log")
+                node = NodeProcess(launch_path, transport, out / "node.log", overrides)
             _handshake(client, node, warmup_timeout_s, launch_path)
             receiver = Receiver(client)
             receiver.start()

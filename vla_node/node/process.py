@@ -40,18 +40,23 @@ def private_addresses() -> dict[str, str]:
 
 class NodeProcess:
     """`vla-node run` in a child process (its own session, so a terminal's Ctrl-C reaches only the replay,
-    which stops the node itself); stdout and stderr go to log_path."""
+    which stops the node itself); stdout and stderr go to log_path. overrides: `--set SECTION.KEY=VALUE` for the
+    launch file; env: variables added to this process's environment."""
 
-    def __init__(self, launch: Path, transport: TransportConfig, log_path: Path) -> None:
+    def __init__(self, launch: Path, transport: TransportConfig, log_path: Path, overrides: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         command = [sys.executable, "-m", "vla_node.cli", "run", "--launch", str(launch)]
         for key in ADDRESS_KEYS:
             command += [f"--{key}", getattr(transport, key)]
+        for override in overrides:  # the launch file's values changed for this run (`--set`, config.apply_overrides)
+            command += ["--set", override]
         self._log = open(log_path, "wb")
         self.launched_ns = time.monotonic_ns()  # the startup figure's origin (replay: launch -> first fresh action)
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=None if env is None else {**os.environ, **env})
         except BaseException:
             self._log.close()
             raise

@@ -107,6 +107,8 @@ class SchedulerConfig:
                                                # the step exists only when one of them is set
     denoising_steps: tuple[int, ...] = (5, 2)  # the flow head's fewer_denoising_steps levels (below its flow_steps)
     real_time_chunking: bool = False           # flow head: guide each chunk toward the one being played (RTC)
+    min_level: str | None = None               # never below this level (its name, as health shows it, e.g.
+                                               # "cap_refreshed_tokens 25%"): what a level costs, measured by forcing it
 
     def __post_init__(self) -> None:
         for key in ("control_hz", "action_deadline_ms", "vision_deadline_ms", "text_deadline_ms",
@@ -153,6 +155,8 @@ class SchedulerConfig:
                 "smaller_recipe", self.smaller_recipe, "None, 'fp32', 'int8-ort' or 'int8-trt'")
         require(self.smaller_preset is None or self.smaller_recipe is None, "smaller_recipe", self.smaller_recipe,
                 f"unset while smaller_preset is set ({self.smaller_preset!r}): the smaller engine is one or the other")
+        require(self.min_level is None or (isinstance(self.min_level, str) and self.min_level != ""), "min_level",
+                self.min_level, "None or a level's name")
 
     @property
     def smaller_engine(self) -> bool:
@@ -216,6 +220,27 @@ class SchedulerHealth:
     level_downs: int
 
 
+def scheduler_levels(config: SchedulerConfig, features: Mapping[str, bool] | None = None,
+                     flow_steps: int | None = None) -> tuple[Level, ...]:
+    """The levels of a scheduler with `config`, for a node with `features` and (the flow head) `flow_steps`."""
+    fewer = () if flow_steps is None else tuple(n for n in config.denoising_steps if n < flow_steps)
+    return build_levels(config.ladder, features=features, smaller_engine=config.smaller_engine,
+                        reuse_threshold_scales=config.reuse_threshold_scales, refresh_fractions=config.refresh_fractions,
+                        denoising_steps=fewer)
+
+
+def check_min_level(name: str | None, levels: tuple[Level, ...]) -> int:
+    """The floor `min_level` names among `levels` (0 when None): a level that runs inference (chunk and fallback
+    are what an overload forces: a stage delay shows them). Otherwise a ConfigError naming the choices."""
+    if name is None:
+        return 0
+    names = {level.name: level.index for level in levels if level.knobs.run_inference}
+    if name not in names:
+        raise ConfigError(f"scheduler.min_level = {name!r}: expected a level of this node that runs inference, one of "
+                          f"{list(names)}{did_you_mean(name, names)}")
+    return names[name]
+
+
 class Scheduler:
     """Plans each frame against its deadline and moves the degrade level with hysteresis (one worker thread).
 
@@ -226,11 +251,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, prior_ms: Mapping[str, float],
                  features: Mapping[str, bool] | None = None, flow_steps: int | None = None) -> None:
         self.config = config
-        fewer = () if flow_steps is None else tuple(n for n in config.denoising_steps if n < flow_steps)
-        self.levels: tuple[Level, ...] = build_levels(
-            config.ladder, features=features, smaller_engine=config.smaller_engine,
-            reuse_threshold_scales=config.reuse_threshold_scales, refresh_fractions=config.refresh_fractions,
-            denoising_steps=fewer)
+        self.levels: tuple[Level, ...] = scheduler_levels(config, features, flow_steps)
         self._top = len(self.levels) - 1
         has_small = any(level.knobs.use_smaller_engine for level in self.levels)
         priors = self._check_priors(prior_ms, has_small)
@@ -269,13 +290,14 @@ class Scheduler:
         }
         self._prior_scale = {key: 1.0 for key in cost_priors}
         self._highest_inference = max(level.index for level in self.levels if level.knobs.run_inference)
+        self._floor = check_min_level(config.min_level, self.levels)
         self._vision_deadline_ns = _ns(config.vision_deadline_ms)
         self._text_deadline_ns = _ns(config.text_deadline_ms)
         self._action_deadline_ns = _ns(config.action_deadline_ms)
         self._cost_max_age_ns = _ns(config.cost_max_age_ms)
         self._full_refresh = Knobs()  # what the main engine runs on an instruction change
         self._load_factor = 1.0
-        self._level = 0
+        self._level = self._floor
         self._misses = 0
         self._ok = 0
         self._pending: FramePlan | None = None
@@ -512,7 +534,7 @@ class Scheduler:
             self._ok += 1
             # Step down only to a level predicted to fit as well, so the next plan does not climb straight back.
             lower = min(plan.persistent_level - 1, self._highest_inference)
-            if self._ok >= self.config.recover_after_ok and lower >= 0 and self._fits(
+            if self._ok >= self.config.recover_after_ok and lower >= self._floor and self._fits(
                     lower, plan.instruction_changed, budget_ns):
                 self._move(-1)
         else:
@@ -520,7 +542,7 @@ class Scheduler:
             self._ok = 0
 
     def _move(self, step: int) -> None:
-        level = min(self._top, max(0, self._level + step))
+        level = min(self._top, max(self._floor, self._level + step))
         if level > self._level:
             self.level_ups += 1
         elif level < self._level:
