@@ -13,7 +13,7 @@ heading (so a heading error or a lateral offset moves the whole road on screen, 
    flickering) and distance fog.
 3. The sky is a gradient over a hill silhouette that depends on the compass direction, so the car's yaw turns it.
 4. Vehicles are drawn far to near as rear views (paint.py); then the scene's light (a slow drift and the darker
-   stretches of underpasses) scales every pixel.
+   stretches of underpasses) scales every pixel. At night the car's low beams light the road near and ahead.
 
 Scenery (palette, fog, shadow and grain maps, hills, underpasses) is made once per drive from its seed.
 """
@@ -39,6 +39,7 @@ LINE_HALF_WIDTH_M = 0.1  # 20 cm lines
 DASH_PERIOD_M, DASH_LENGTH_M = 12.0, 3.0
 LOOK_AHEAD_M = 300.0
 MARKINGS_VISIBLE_M = 150.0
+HEADLIGHT_GAIN, HEADLIGHT_RANGE_M = 2.5, 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,11 @@ class Camera:
         self.sky = (pal["sky_top"] * (1 - sky_t) + pal["sky_horizon"] * sky_t).T[:, :, None]  # (3, S, 1)
         self.sky_rows = rows[~ground]
         self.stations = np.arange(-5.0, LOOK_AHEAD_M, 1.0)  # (K,) stations sampled ahead of the car
+        self.headlights = None
+        if scenery.night:  # (G, W) light gain of low beams: strongest near, within about 25 degrees of the axis
+            beam = np.clip(1 - np.abs(self.cols) / 0.45, 0, 1)[None, :]
+            self.headlights = (1 + HEADLIGHT_GAIN * np.exp(-self.row_z / HEADLIGHT_RANGE_M)[:, None] * beam
+                               ).astype(np.float32)
 
     def position(self, ego: VehicleState) -> tuple[float, float]:
         return (ego.x + self.config.forward_m * math.cos(ego.heading),
@@ -181,6 +187,9 @@ class Camera:
         clear = ((1 - self.fog) * seen)[:, None].astype(np.float32)  # (G, 1) what fog leaves of the surface
         surface = scenery.shadow[si, sj] * (1 - cover) * clear  # (G, W) weight of the shaded, grained surface
         paint = cover * clear  # (G, W) weight of the lines
+        if self.headlights is not None:  # at night the car's own beams light the road ahead
+            surface = surface * self.headlights
+            paint = paint * self.headlights
         fogged = 1 - clear
         # per channel, in planes (a trailing channel axis makes numpy's inner loops 3 long): (road or grass +
         # grain) x shade, the lines over it, fog over both
