@@ -27,3 +27,18 @@ def drives_dir() -> Path:
     if not DRIVES_DIR.is_dir() or not list(DRIVES_DIR.glob("*.mp4")):
         pytest.skip(f"real drives not found at {DRIVES_DIR} (set VLA_NODE_DRIVES to the folder of dashcam clips)")
     return DRIVES_DIR
+
+
+# A short behaviour-cloning run of the tiny bins policy (about a minute), shared by the unit test that checks it learned
+# and the node test that drives it through a real node.
+TRAINED_TINY = dict(preset="tiny", action_head="bins", steps=600, episodes=32, save_every=300, warmup_steps=50)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory) -> tuple[Path, dict]:
+    from vla_node.train.trainer import TrainConfig, train
+
+    path = tmp_path_factory.mktemp("trained") / "tiny-bins"
+    state = train(TrainConfig(**TRAINED_TINY), path, progress=False)
+    torch.set_num_threads(1)  # training took every core; the other tests keep to one
+    return path, state
