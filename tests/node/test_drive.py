@@ -1,0 +1,52 @@
+"""`vla-node drive`: the simulator and a real node over loopback ZeroMQ in real time, closed loop, with its reports;
+and a delay that takes the node to chunk, then fallback, brings the car to a stop in its lane."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vla_node.drives.closed_loop import SIM_LAUNCH, drive
+from vla_node.node.faults import FAULT_FILE_ENV
+from vla_node.report.report import load_report
+from vla_node.sim.instructions import KEEP, LEFT
+from vla_node.sim.scenario import Cue
+from vla_node.validate import ConfigError
+
+
+def test_a_trained_policy_drives_through_the_node_and_both_reports_are_written(trained_tiny, tmp_path):
+    checkpoint, _ = trained_tiny
+    result = drive(checkpoint, SIM_LAUNCH, minutes=0.4, seed=2, out_dir=tmp_path, progress=False,
+                   cues=(Cue(0.0, KEEP), Cue(12.0, LEFT)))
+    assert not result["left_road"] and result["seconds"] == pytest.approx(24.0, abs=0.05)
+    assert result["lateral_error_mean_m"] < 0.5
+    statuses = result["latency"]["status_counts"]
+    assert statuses["fresh"] > 100 and result["latency"]["frames_processed"] > 200  # the node drove it
+    assert [r["instruction"] for r in result["instructions"]][:2] == [KEEP, LEFT]
+    saved = json.loads((tmp_path / "drive.json").read_text())
+    assert saved["lane_departures"] == result["lane_departures"] and len(saved["trace"]["x"]) > 200
+    assert saved["geometry"]["lanes"] >= 2 and saved["overrides"][0].startswith("model.checkpoint=")
+    page = (tmp_path / "drive.html").read_text()
+    for plot in ("plot-birds-eye", "plot-along-road", "plot-speed", "plot-actions"):
+        assert f'id="{plot}"' in page
+    latency = load_report(tmp_path / "report.json")  # the replay's latency report, validated on load
+    assert latency["frames_sent"] == result["latency"]["frames_sent"] >= 590
+    assert latency["deadline_misses"] == result["latency"]["deadline_misses"]
+
+
+def test_a_delay_forces_chunk_then_fallback_and_the_car_stops_in_its_lane(trained_tiny, tmp_path):
+    checkpoint, _ = trained_tiny
+    faults = tmp_path / "faults.txt"
+    result = drive(checkpoint, SIM_LAUNCH, minutes=0.35, seed=2, out_dir=tmp_path, progress=False,
+                   cues=(Cue(0.0, KEEP),), env={FAULT_FILE_ENV: str(faults)},
+                   fault_schedule=((4.0, faults, "vision 400\naction 200\n"),))
+    statuses = result["latency"]["status_counts"]
+    assert statuses["chunk"] > 0 and statuses["fallback"] > 500
+    assert result["final_speed_mps"] < 0.5  # the fallback brakes: the car came to a stop
+    assert result["departures_at_speed"] == 0 and not result["left_road"]
+
+
+def test_drive_refuses_a_checkpoint_the_simulator_cannot_drive(tmp_path):
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        drive(tmp_path, SIM_LAUNCH, minutes=0.1, out_dir=tmp_path / "out", progress=False)
