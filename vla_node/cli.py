@@ -220,10 +220,10 @@ def cmd_train(args) -> int:
     """Behaviour cloning of the simulator's expert into a checkpoint (resumes a run found in --out)."""
     from vla_node.train.trainer import TrainConfig, train
 
-    config = TrainConfig(preset=args.preset, action_head=args.action_head,
-                         **given(args, "steps", "batch_size", "lr", "seed", "episodes", "save_every", "workers",
-                                 "threads"))
-    state = train(config, args.out, progress=not args.no_progress)
+    config = TrainConfig.for_preset(args.preset, action_head=args.action_head,
+                                    **given(args, "steps", "batch_size", "lr", "seed", "episodes", "save_every",
+                                            "workers", "threads"))
+    state = train(config, args.out, data_dir=args.data, progress=not args.no_progress)
     first, last = state["losses"][0][1], state["losses"][-1][1]
     held_out = state["validation"][-1][1] if state["validation"] else None
     print(f"wrote {args.out}: {config.preset} {config.action_head} checkpoint after {state['step']} steps in "
@@ -293,12 +293,13 @@ def add_closed_loop_commands(sub) -> None:
     p.add_argument("--preset", default="tiny", help="tiny | small | base (default tiny)")
     p.add_argument("--action-head", default="bins", choices=("bins", "flow"),
                    help="bins (cross-entropy over 256 bins per dim) | flow (the flow-matching loss)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 4000)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default tiny 4000, small 1000)")
     p.add_argument("--out", required=True, help="checkpoint directory (a run found there is resumed)")
-    p.add_argument("--batch-size", type=int, help="samples per step (default 64)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    p.add_argument("--data", help="dataset folder (default OUT/train/data; both heads of a preset can share one)")
+    p.add_argument("--batch-size", type=int, help="samples per step (default tiny 64, small 32)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default tiny 1e-3, small 3e-4)")
     p.add_argument("--seed", type=int, help="seeds the weights, the dataset and the batches (default 0)")
-    p.add_argument("--episodes", type=int, help="simulator episodes in the dataset (default 200)")
+    p.add_argument("--episodes", type=int, help="simulator episodes in the dataset (default tiny 240, small 64)")
     p.add_argument("--save-every", type=int, help="steps between snapshots (default 500)")
     p.add_argument("--workers", type=int, help="dataset worker processes (default 2)")
     p.add_argument("--threads", type=int, help="torch threads while training (default: every core)")

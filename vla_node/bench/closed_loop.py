@@ -103,25 +103,25 @@ def _node_levels(launch: Path, checkpoint: Path) -> list[str]:
 
 
 def checkpoint_for(root: Path, head: str, progress: bool) -> Path:
-    """root/head, trained there (tiny, `vla-node train`'s defaults) unless it holds a finished checkpoint."""
+    """root/head, trained there (tiny, `vla-node train`'s defaults; both heads on one dataset, root/data) unless it
+    holds a finished checkpoint."""
     from vla_node.train.trainer import TrainConfig, train
 
     path = root / head
     if not (path / "vla.json").is_file():
         print(f"bench closed-loop: training the {head} checkpoint into {path}", flush=True)
-        train(TrainConfig(preset="tiny", action_head=head), path, progress=progress)
+        train(TrainConfig.for_preset("tiny", action_head=head), path, data_dir=root / "data", progress=progress)
     return path
 
 
-def _calibrate(work: Path, launch: Path, checkpoint: Path, frames: int = 48) -> str:
-    """The int8-trt calibration set of `checkpoint` from an expert drive in the simulator, in work/calib."""
+def _calibrate(folder: Path, launch: Path, checkpoint: Path, frames: int = 48) -> None:
+    """The int8-trt calibration set of `checkpoint` from an expert drive in the simulator, in `folder`."""
     from vla_node.config import load_launch
     from vla_node.drives.calibrate import calibrate
     from vla_node.sim.env import RoadEnv, SimConfig
     from vla_node.sim.expert import ExpertConfig, expert_action
     from vla_node.sim.scenario import InstructionGiver, default_cues
 
-    folder = work / "calib"
     config = load_launch(launch, (f"model.checkpoint={checkpoint}", f"model.calibration={folder}") + REFERENCE)
     sim = SimConfig(seed=1000)
     env = RoadEnv(sim, seconds=60)
@@ -135,7 +135,6 @@ def _calibrate(work: Path, launch: Path, checkpoint: Path, frames: int = 48) -> 
             env.step(expert_action(ExpertConfig(), env.road, sim.vehicle, env.ego, env.s, giver.goal))
 
     calibrate(config, images(), "simulator (seed 1000)", frames, progress=lambda line: None)
-    return str(folder)
 
 
 def _offline_frames(image_limit: int) -> tuple[list[np.ndarray], str]:
@@ -197,13 +196,16 @@ def run(json_path: str | None = None, checkpoints: str | None = None, minutes: f
     for head in heads:
         checkpoint = checkpoint_for(root, head, progress).resolve()
         names = _node_levels(SIM_LAUNCH, checkpoint)
-        calibration = _calibrate(work / head, SIM_LAUNCH, checkpoint)
-        rows = []
-        chosen = [s for s in settings(head, names, calibration) if not only or s.name in only]
-        unknown = set(only) - {s.name for s in settings(head, names, calibration)}
+        calibration = work / head / "calib"
+        every = settings(head, names, str(calibration))
+        unknown = set(only) - {s.name for s in every}
         if unknown:
             raise ConfigError(f"--only {sorted(unknown)}: not a configuration of the {head} head; expected among "
-                              f"{[s.name for s in settings(head, names, calibration)]}")
+                              f"{[s.name for s in every]}")
+        chosen = [s for s in every if not only or s.name in only]
+        if any("model.recipe=int8-trt" in s.overrides for s in chosen):
+            _calibrate(calibration, SIM_LAUNCH, checkpoint)
+        rows = []
         for index, setting in enumerate(chosen):
             print(f"bench closed-loop: {head} {index + 1}/{len(chosen)} {setting.name}", flush=True)
             overrides = setting.overrides + (f"model.engines_dir={work / 'engines'}",)

@@ -2,7 +2,8 @@
 
     train(TrainConfig(preset="tiny", steps=4000), "ckpt/tiny-bins")
 
-1. The dataset (dataset.py) is built in OUT/train/data by worker processes, or reused when it is there.
+1. The dataset (dataset.py) is built in OUT/train/data (or a folder given) by worker processes, or reused when it
+   is there.
 2. The model starts from the preset's seeded random weights (the flow head's expert drawn after the trunk, as
    `vla-node init` draws it). AdamW with a linear warm-up and a cosine decay to a tenth, gradient clipping at 1.
    Each step's batch, slot order and flow noise come from (seed, step) alone, so a resumed run takes the same batches
@@ -45,6 +46,13 @@ from vla_node.validate import ConfigError, choose, is_int, is_number, require
 
 SIM_ACTION_DIMS, SIM_STATE_DIM = 2, 4
 VALIDATION_SAMPLES = 512
+# What a run of each preset takes unless told otherwise: tiny trains in minutes on a 2-core CPU, small in under an
+# hour (its 224 px frames: fewer episodes, a smaller batch, a lower rate), base is for a GPU.
+PRESET_RUNS = {
+    "tiny": dict(steps=4000, batch_size=64, episodes=240, lr=1e-3),
+    "small": dict(steps=1000, batch_size=32, episodes=64, lr=3e-4),
+    "base": dict(steps=2000, batch_size=16, episodes=64, lr=1e-4),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,12 @@ class TrainConfig:
         """The model trained: the preset's shapes with the action head (flow: with flow_noise_scale)."""
         config = preset_config(self.preset, self.action_head)
         return config.replace(flow_noise_scale=self.flow_noise_scale) if self.action_head == "flow" else config
+
+    @classmethod
+    def for_preset(cls, preset: str, **changes) -> "TrainConfig":
+        """The run of `preset` (PRESET_RUNS) with `changes`."""
+        choose("preset", preset, PRESET_RUNS)
+        return cls(preset=preset, **{**PRESET_RUNS[preset], **changes})
 
     def dataset(self) -> DatasetConfig:
         model = preset_config(self.preset)
@@ -191,8 +205,10 @@ def _check_model(model: VLA) -> None:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, out: str | os.PathLike, *, progress: bool = True) -> dict:
-    """Train (or resume) into `out`; returns the final state (step, losses, held-out loss, seconds)."""
+def train(config: TrainConfig, out: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
+          progress: bool = True) -> dict:
+    """Train (or resume) into `out`; returns the final state (step, losses, held-out loss, seconds). data_dir: the
+    dataset's folder (default out/train/data; runs of one preset and seed, both heads, can share one)."""
     out = Path(out)
     snapshot = out / "train" / "snapshot"
     state = {"config": dataclasses.asdict(config), "step": 0, "losses": [], "validation": [], "seconds": 0.0}
@@ -211,7 +227,8 @@ def train(config: TrainConfig, out: str | os.PathLike, *, progress: bool = True)
     _check_model(model)
     data_config = config.dataset()
     t0 = time.monotonic()
-    data = build_dataset(out / "train" / "data", data_config, workers=config.workers, progress=progress)
+    data = build_dataset(Path(data_dir) if data_dir is not None else out / "train" / "data", data_config,
+                         workers=config.workers, progress=progress)
     held_out_episodes = max(SHARD_EPISODES, config.episodes // 20)
     validation_from = int(np.searchsorted(data["episode"], config.episodes - held_out_episodes))
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
