@@ -50,3 +50,26 @@ def test_a_delay_forces_chunk_then_fallback_and_the_car_stops_in_its_lane(traine
 def test_drive_refuses_a_checkpoint_the_simulator_cannot_drive(tmp_path):
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         drive(tmp_path, SIM_LAUNCH, minutes=0.1, out_dir=tmp_path / "out", progress=False)
+
+
+def test_the_closed_loop_bench_drives_each_configuration_and_measures_it_offline(trained_tiny, tmp_path):
+    from vla_node.bench import closed_loop
+
+    checkpoint, _ = trained_tiny
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "bins").symlink_to(checkpoint)
+    result = closed_loop.run(json_path=str(tmp_path / "closed.json"), checkpoints=str(tmp_path / "checkpoints"),
+                             minutes=0.1, heads=("bins",), only=("reference", "level: skip_vision"),
+                             out_dir=str(tmp_path / "work"), progress=False)
+    rows = {r["name"]: r for r in result["heads"]["bins"]["configurations"]}
+    assert list(rows) == ["reference", "level: skip_vision"]
+    for row in rows.values():
+        assert set(closed_loop.FIGURES) <= set(row) and row["offline"]["frames"] > 0
+    assert rows["reference"]["offline"]["logit_rel_err"] < 1e-4  # the reference is the oracle offline too
+    assert rows["reference"]["offline"]["bins_agreement"] == 1.0
+    assert rows["level: skip_vision"]["offline"]["logit_rel_err"] > 0.01  # acting on the first frame's vision
+    assert json.loads((tmp_path / "closed.json").read_text())["heads"]["bins"]["configurations"][0]["name"] == \
+        "reference"
+    with pytest.raises(ConfigError, match=r"--only \['no such'\]"):
+        closed_loop.run(checkpoints=str(tmp_path / "checkpoints"), heads=("bins",), only=("no such",),
+                        progress=False)

@@ -75,7 +75,7 @@ def settings(head: str, level_names: list[str], calibration: str) -> list[Settin
              ("compute_auto", "bf16 compute with packed weights where the CPU has it", ("model.dtype=auto",
                                                                                        "model.weights=auto")),
              ("fp16_weights", "fp16 linear weights, fp32 compute", ("model.weights=fp16",))]
-    alone += [(f"reuse_t{t:g}", f"vision reuse, threshold {t:g}", (f"reuse.threshold={t}",)) for t in (4, 8, 16)]
+    alone += [(f"reuse_t{t:g}", f"vision reuse, threshold {t:g}", (f"reuse.threshold={t}",)) for t in (2, 4, 8, 16)]
     alone += [("engine_ort_fp32", "ONNX Runtime, fp32", ("model.backend=onnxruntime", "model.recipe=fp32")),
               ("engine_ort_int8", "ONNX Runtime, int8-ort (dynamic int8)", ("model.backend=onnxruntime",
                                                                             "model.recipe=int8-ort")),
