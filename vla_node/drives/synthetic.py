@@ -21,7 +21,16 @@ from typing import Iterator
 
 import numpy as np
 
-from vla_node.sim.paint import PALETTE_NAMES, VEHICLE_COLOURS, box, draw_vehicle_rear, fogged, jittered_palette
+from vla_node.sim.paint import (
+    PALETTE_NAMES,
+    VEHICLE_COLOURS,
+    box,
+    draw_vehicle_rear,
+    fogged,
+    jittered_palette,
+    light_drift,
+    smoothstep,
+)
 from vla_node.validate import is_int, is_number, require
 
 NS_PER_S = 1_000_000_000
@@ -185,14 +194,11 @@ class _Scene:
 
     def gain(self, t: float) -> float:
         """Global brightness: slow drift times a smooth dip while in a tunnel."""
-        a, b = self.brightness_phase
-        g = 1.0 + 0.05 * math.sin(2 * math.pi * t / 37.0 + a) + 0.025 * math.sin(2 * math.pi * t / 13.0 + b)
+        g = light_drift(t, self.brightness_phase)
         if self.tunnel is not None:
             start, length = self.tunnel
             ramp = 2.0  # seconds from the portal coming into view to full exposure adaptation, each end
-            inside = min(max(min(t - start, start + length - t) / ramp, 0.0), 1.0)
-            inside = inside * inside * (3 - 2 * inside)  # smoothstep
-            g *= 1.0 - 0.55 * inside
+            g *= 1.0 - 0.55 * smoothstep(min(t - start, start + length - t) / ramp)
         return g
 
     def draw_dashes(self, out: np.ndarray, travelled_m: float) -> None:

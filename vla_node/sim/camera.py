@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from vla_node.sim.paint import PALETTE_NAMES, draw_vehicle_rear, jittered_palette
+from vla_node.sim.paint import PALETTE_NAMES, draw_vehicle_rear, jittered_palette, light_drift, smoothstep
 from vla_node.sim.road import Road
 from vla_node.sim.traffic import Vehicle
 from vla_node.sim.vehicle import VehicleState
@@ -119,12 +119,10 @@ class Scenery:
 
     def light(self, t: float, s: float) -> float:
         """The scene's brightness at time t with the car at station s: a slow drift, dimmed under an underpass."""
-        a, b = self.light_phase
-        gain = 1.0 + 0.05 * math.sin(2 * math.pi * t / 37.0 + a) + 0.025 * math.sin(2 * math.pi * t / 13.0 + b)
+        gain = light_drift(t, self.light_phase)
         for start, end in self.underpasses:
             if start - 40 < s < end + 10:
-                inside = min(max(min(s - (start - 40), end + 10 - s) / 20, 0.0), 1.0)
-                gain *= 1.0 - 0.5 * inside * inside * (3 - 2 * inside)
+                gain *= 1.0 - 0.5 * smoothstep(min(s - (start - 40), end + 10 - s) / 20)
         return gain
 
 
@@ -177,8 +175,8 @@ class Camera:
         d = ((ref_right[:, None] - self.cols[None, :] * z[:, None]) / row_across[:, None]).astype(np.float32)  # (G, W)
         pixel_d = (self.pixel_m / row_across).astype(np.float32)[:, None]  # (G, 1) metres of d a pixel spans
         on_road = ((d <= road.left_edge) & (d >= road.right_edge)).astype(np.float32)  # (G, W)
-        gi = (row_s / GRAIN_CELL_M).astype(np.int32)[:, None] & (GRAIN_TILE - 1)
-        gj = (d * (1 / GRAIN_CELL_M)).astype(np.int32) & (GRAIN_TILE - 1)
+        gi = np.floor(row_s / GRAIN_CELL_M).astype(np.int32)[:, None] & (GRAIN_TILE - 1)
+        gj = np.floor(d * (1 / GRAIN_CELL_M)).astype(np.int32) & (GRAIN_TILE - 1)
         grain = (9.0 - 5.0 * on_road) * scenery.grain[gi, gj]  # (G, W) grey levels, finer on the road
         rows, cols = scenery.shadow.shape
         si = np.clip(((row_s - scenery.s0) / MAP_DS).astype(np.int32), 0, rows - 1)[:, None]

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from vla_node.sim.camera import Camera, CameraConfig, Scenery
-from vla_node.sim.road import Road, RoadConfig
+from vla_node.sim.road import MAX_ROAD_M, Road, RoadConfig
 from vla_node.sim.traffic import Vehicle, make_traffic
 from vla_node.sim.vehicle import VehicleConfig, VehicleState, step_vehicle, yaw_rate
 from vla_node.validate import is_int, is_number, require
@@ -29,6 +29,8 @@ STATE_SPEED_SCALE = 20.0  # m/s
 STATE_ACCEL_SCALE = 6.0  # m/s^2
 STATE_YAW_RATE_SCALE = 0.5  # rad/s
 OFF_ROAD_END_M = 5.0  # a car this far beyond the road's edge has left the road for good: the drive ends
+ACTION_DIMS = 2  # [steer, accel] (vehicle.py)
+STATE_DIM = 4  # state_vector's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +72,12 @@ class SimConfig:
         return 1.0 / self.control_hz
 
     def length_for(self, seconds: float) -> float:
-        """A road long enough for `seconds` of driving at up to 1.5x the cruise speed."""
-        return max(self.length_m, 1.5 * self.cruise_mps * seconds + 300.0)
+        """A road long enough for `seconds` of driving at the car's top speed (it cannot run out)."""
+        return max(self.length_m, self.vehicle.max_speed * seconds + 300.0)
+
+    def max_seconds(self) -> float:
+        """The longest drive a road can be built for (road.length_m's bound, at the car's top speed)."""
+        return (MAX_ROAD_M - 300.0) / self.vehicle.max_speed
 
 
 @dataclasses.dataclass(frozen=True)

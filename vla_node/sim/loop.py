@@ -2,7 +2,7 @@
 
 At the camera rate the policy gets the frame, the current instruction and the state and returns a chunk [H, D]; the
 chunk's step i is applied at the i-th control tick after it (as the node's chunk broker plays it, with no latency);
-past its end the fallback action. `vla-node drive` (drives/closed_loop.py) runs the same world, instructions and
+past its end the fallback action (launch/sim.toml's: wheels straight, braking). `vla-node drive` (drives/closed_loop.py) runs the same world, instructions and
 metrics through the real node over ZeroMQ in real time instead.
 """
 
@@ -29,7 +29,7 @@ class DriveResult:
 
 
 def drive_in_process(env: RoadEnv, giver: InstructionGiver, policy: Policy, seconds: float,
-                     fallback_action=(0.0, -1.0)) -> DriveResult:
+                     fallback_action=(0.0, -0.5)) -> DriveResult:
     """Drive `seconds` of simulated time (or until the car leaves the road)."""
     config = env.config
     fallback = np.asarray(fallback_action, np.float32)

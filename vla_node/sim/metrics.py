@@ -11,7 +11,7 @@ tracking and instruction compliance, plus a decimated trace for the bird's-eye v
 - A collision: the body starts to overlap another vehicle's (once per contact).
 - Speed tracking: |speed - the goal speed|, over ticks at least SPEED_SETTLE_S after the goal speed changed.
 - Instructions: `keep the lane` succeeds without a departure or collision during it; a lane change when the car
-  arrived centred in its target lane in time (scenario.py) without a collision; `slow down` when its speed from
+  crossed into its target lane in time (scenario.py) without a departure or collision; `slow down` when its speed from
   SLOW_JUDGE_AFTER_S on stayed within SLOW_TOLERANCE_MPS of the slow speed on average.
 """
 
@@ -126,7 +126,7 @@ class DriveMetrics:
                 row["success"] = departures == 0 and collisions == 0
             elif issued.instruction == LEFT:
                 row["arrived_s"] = None if issued.arrived_s is None else round(issued.arrived_s - issued.at_s, 3)
-                row["success"] = issued.arrived_s is not None and collisions == 0
+                row["success"] = issued.arrived_s is not None and departures == 0 and collisions == 0
             else:
                 speeds = self._slow_samples.get(index)
                 mean_error = None if not speeds else float(np.mean(np.abs(np.asarray(speeds) - issued.goal.speed)))
@@ -155,3 +155,24 @@ class DriveMetrics:
             "final_speed_mps": round(last.speed, 3) if last is not None else 0.0,
             "status_counts": dict(sorted(self.statuses.items())),
         }
+
+
+SUMS = ("lane_departures", "departures_at_speed", "collisions")
+MEANS = ("lateral_error_mean_m", "instruction_success", "speed_error_mean_mps", "final_speed_mps")
+
+
+def aggregate(summaries: list[dict]) -> dict:
+    """Several drives' summaries as one: departures and collisions summed, the largest lateral error, the mean of the
+    other figures (a figure no drive measured: NaN), and how many drives left the road."""
+    out: dict = {}
+    for key in (*MEANS[:1], "lateral_error_max_m", *SUMS, *MEANS[1:]):
+        values = [d[key] for d in summaries if d.get(key) is not None and not (isinstance(d[key], float)
+                                                                               and math.isnan(d[key]))]
+        if key in SUMS:
+            out[key] = int(sum(values))
+        elif not values:
+            out[key] = math.nan
+        else:
+            out[key] = float(max(values)) if key == "lateral_error_max_m" else float(np.mean(values))
+    out["left_road"] = sum(bool(d["left_road"]) for d in summaries)
+    return out

@@ -33,6 +33,18 @@ VEHICLE_COLOURS = np.array(
 BUMPER = np.array((20, 20, 22), np.float32)
 
 
+def light_drift(t: float, phase: np.ndarray) -> float:
+    """The scene's slow brightness drift at time t (two sines of 37 s and 13 s, phases `phase` [2]): about +-7%."""
+    a, b = phase
+    return 1.0 + 0.05 * math.sin(2 * math.pi * t / 37.0 + a) + 0.025 * math.sin(2 * math.pi * t / 13.0 + b)
+
+
+def smoothstep(x: float) -> float:
+    """0 below 0, 1 above 1, 3x^2 - 2x^3 between."""
+    x = min(max(x, 0.0), 1.0)
+    return x * x * (3 - 2 * x)
+
+
 def jittered_palette(name: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Palette `name` with every colour moved by up to 8 levels per channel (scenes of one time of day differ)."""
     return {k: np.array(v, np.float32) + rng.uniform(-8, 8, 3).astype(np.float32) for k, v in PALETTES[name].items()}

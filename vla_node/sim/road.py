@@ -1,8 +1,8 @@
 """The road: a smoothly curving multi-lane centreline in the world plane, with lanes, stations and Frenet coordinates.
 
 World frame: x east, y north (metres), headings counter-clockwise from +x (radians). The road's reference line is
-the centre of lane 0, the leftmost; lane i's centre is `lane_offset(i)` = -i * lane_width to its left (d grows to
-the left, as in Frenet frames). The curvature along the station s is a sum of a few sinusoids of random wavelength
+the centre of lane 0, the leftmost; lane i's centre is `lane_offset(i)` = -i * lane_width (d grows to the left, as
+in Frenet frames, so the lanes to the right have negative offsets). The curvature along the station s is a sum of a few sinusoids of random wavelength
 and phase (bounded by `max_curvature`), so the road bends both ways, smoothly, with straights between: sampled
 every `STATION_STEP_M` and integrated once, so a pose at any station is a table lookup.
 
@@ -19,6 +19,7 @@ import numpy as np
 from vla_node.validate import is_int, is_number, require
 
 STATION_STEP_M = 0.5
+MAX_ROAD_M = 100_000.0
 BEHIND_M = 50.0  # the table starts this far behind station 0 (the camera looks back never, a vehicle may start there)
 
 
@@ -37,8 +38,8 @@ class RoadConfig:
         require(is_int(self.lanes) and 1 <= self.lanes <= 6, "road.lanes", self.lanes, "an integer in 1..6")
         require(is_number(self.lane_width_m) and 2.5 <= self.lane_width_m <= 5.0, "road.lane_width_m",
                 self.lane_width_m, "a number of metres in [2.5, 5]")
-        require(is_number(self.length_m) and 100 <= self.length_m <= 100_000, "road.length_m", self.length_m,
-                "a number of metres in [100, 100000]")
+        require(is_number(self.length_m) and 100 <= self.length_m <= MAX_ROAD_M, "road.length_m", self.length_m,
+                f"a number of metres in [100, {MAX_ROAD_M:g}]")
         require(is_number(self.max_curvature) and 0 <= self.max_curvature <= 0.05, "road.max_curvature",
                 self.max_curvature, "a curvature in [0, 0.05] (1/m)")
         require(is_int(self.seed) and self.seed >= 0, "road.seed", self.seed, "a non-negative integer")
@@ -55,7 +56,7 @@ class Road:
         weights = rng.uniform(0.3, 1.0, 3)
         for weight, wavelength, phase in zip(weights / weights.sum(), rng.uniform(250, 900, 3), rng.uniform(0, 6.3, 3)):
             curvature += weight * np.sin(2 * math.pi * s / wavelength + phase)
-        # straights where the sum is small: |k| below 30% of the bound flattens toward 0
+        # straights where the sum is small: a sum below 0.15 (of its largest 1.0) flattens to 0
         curvature = config.max_curvature * np.sign(curvature) * np.clip((np.abs(curvature) - 0.15) / 0.85, 0, 1)
         heading = np.concatenate([[0.0], np.cumsum((curvature[1:] + curvature[:-1]) / 2 * STATION_STEP_M)])
         heading -= np.interp(0.0, s, heading)  # heading 0 (east) at station 0

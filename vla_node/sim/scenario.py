@@ -1,7 +1,8 @@
 """A drive's instructions: what is asked when, and how a lane change ends (the navigation system's part).
 
 The cues give instructions at simulated times. A `change to the left lane` cue is skipped where the car has no lane to
-its left. A lane change ends when the car's centre is in its target lane, or when it is not after
+its left (at the start: `keep the lane` instead). A lane change ends when the car's centre has crossed into its target
+lane, or when it has not after
 `change_timeout_s`: either way the giver then says `keep the lane` (which centres the car in the lane it is in), and
 the change's result (arrived or not, and when) is kept for the report.
 """
@@ -40,7 +41,7 @@ class Issued:
     at_s: float
     goal: Goal
     ended_s: float | None = None
-    arrived_s: float | None = None  # a lane change: when the car was centred in its target lane
+    arrived_s: float | None = None  # a lane change: when the car crossed into its target lane
 
 
 class InstructionGiver:
@@ -70,6 +71,8 @@ class InstructionGiver:
             self._next += 1
             if cue.instruction == LEFT and truth.lane == 0:
                 self.skipped.append(cue)
+                if not self.issued:  # a drive starts with an instruction: keep the lane instead
+                    said = self._give(KEEP, truth)
                 continue
             said = self._give(cue.instruction, truth)
         if said is None and self.issued and self.current.instruction == LEFT:
