@@ -80,7 +80,7 @@ def test_the_flow_loss_sees_the_velocity_field_of_the_reference_path():
 
 
 def test_an_episode_is_the_experts_labels_on_what_the_model_sees():
-    config = DatasetConfig(episodes=1, seconds=3.0)
+    config = DatasetConfig(episodes=1, seconds=3.0, sample_every=2)  # a sample every camera frame
     a, b = generate_episode(config, 0), generate_episode(config, 0)
     assert all(np.array_equal(a[k], b[k]) for k in a)  # deterministic by seed and episode
     n = len(a["instructions"])
@@ -88,7 +88,7 @@ def test_an_episode_is_the_experts_labels_on_what_the_model_sees():
     assert a["images"].shape == (n, 32, 32, 3) and a["chunks"].shape == (n, 4, 2)
     assert set(a["instructions"].tolist()) <= set(range(len(INSTRUCTIONS)))
     assert np.abs(a["chunks"]).max() <= 1.0 and np.isfinite(a["chunks"]).all()
-    assert np.array_equal(a["states"][1:, 1], a["states"][:-1, 0])  # previous = the sample before
+    assert np.array_equal(a["states"][1:, 1], a["states"][:-1, 0])  # the ring's older state: one frame before
     other = generate_episode(config, 1)
     assert not np.array_equal(a["images"], other["images"])
 

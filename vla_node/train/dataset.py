@@ -6,14 +6,15 @@ offset, heading error, speed) so that recoveries are in the data, and one of thr
 same InstructionGiver as a closed-loop drive:
 
     keep the lane (45%)                  possibly `slow down` from the middle on
-    change to the left lane (30%)        from 0-3 s, `keep the lane` once the car is centred in the new lane
+    change to the left lane (30%)        from 0-3 s, `keep the lane` once the car has crossed into the new lane
     slow down (25%)                      possibly `keep the lane` (back to the cruise speed) from the middle on
 
 The car executes the expert's action plus noise (DART, Laskey et al. 2017: an Ornstein-Uhlenbeck process on the
 steering, white noise on the acceleration, each episode its own noise level), so the states it visits are those a
 slightly imperfect policy visits, and the label is always the clean expert's. Each sample holds what the model sees
 (the frame resized to the model's input exactly as the node resizes it, the instruction, the state now and at the
-previous sample: the model's state ring holds two) and the label chunk [H, D].
+frames before it: the node's state ring holds one state per decision, and it decides once per camera frame) and the
+label chunk [H, D].
 
 Episodes are written in shards (npz: no pickle) by worker processes (`python -m vla_node.train.dataset`), so the
 two cores share the rendering and an interrupted build keeps its finished shards.
@@ -21,6 +22,7 @@ two cores share the rendering and an interrupted build keeps its finished shards
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -45,14 +47,16 @@ ARRAYS = ("images", "instructions", "states", "chunks", "truth", "episode")
 
 @dataclasses.dataclass(frozen=True)
 class DatasetConfig:
-    """image_size and horizon: the model's input size and chunk length (its action dims and state are the
-    simulator's: [steer, accel] and env.state_vector's 4 values)."""
+    """image_size, horizon and state_slots: the model's input size, chunk length and state ring (its action dims and
+    state are the simulator's: [steer, accel] and env.state_vector's values)."""
 
     image_size: int = 32
     horizon: int = 4
+    state_slots: int = 2
     episodes: int = 240
     seconds: float = 14.0
-    sample_every: int = 4  # control ticks between samples (4 at 50 Hz: 12.5 a second, every other camera frame)
+    sample_every: int = 4  # control ticks between samples (4 at 50 Hz: 12.5 a second, every other camera frame; a
+                           # multiple of the camera's 2 ticks)
     seed: int = 0
     max_offset_m: float = 1.5
     max_heading: float = 0.08
@@ -66,6 +70,8 @@ class DatasetConfig:
                 "an integer in 8..1024")
         require(is_int(self.horizon) and 1 <= self.horizon <= 256, "dataset.horizon", self.horizon,
                 "an integer in 1..256")
+        require(is_int(self.state_slots) and 1 <= self.state_slots <= 64, "dataset.state_slots", self.state_slots,
+                "an integer in 1..64")
         require(is_int(self.episodes) and self.episodes >= 1, "dataset.episodes", self.episodes, "an integer >= 1")
         require(is_number(self.seconds) and 2 <= self.seconds <= 600, "dataset.seconds", self.seconds,
                 "a number of seconds in [2, 600]")
@@ -88,8 +94,9 @@ def _plan(rng: np.random.Generator, seconds: float) -> tuple[Cue, ...]:
 def generate_episode(config: DatasetConfig, episode: int,
                      expert: ExpertConfig = ExpertConfig()) -> dict[str, np.ndarray]:
     """One episode's samples: images [n, S, S, 3] uint8, instructions [n] uint8 (index into INSTRUCTIONS), states
-    [n, 2, state_dim] float32 (now, previous sample), chunks [n, H, D] float32, truth [n, 3] float32 (lateral offset
-    from the goal lane's centre, heading error, speed: for diagnostics), episode [n] int32."""
+    [n, state_slots, state_dim] float32 (the state at this camera frame, then at each frame before it; the first
+    frame's repeated at the start), chunks [n, H, D] float32, truth [n, 3] float32 (lateral offset from the goal lane's
+    centre, heading error, speed: for diagnostics), episode [n] int32."""
     from vla_node.model.vla import preprocess_frame
 
     rng = np.random.default_rng([config.seed, 41, episode])
@@ -109,7 +116,10 @@ def generate_episode(config: DatasetConfig, episode: int,
     decay = math.exp(-env.dt / config.steer_noise_tau_s)
     steer_noise = 0.0
     out: dict[str, list] = {name: [] for name in ARRAYS}
-    previous = env.state_vector()
+    frame_ticks = round(sim.control_hz / sim.fps)
+    require(config.sample_every % frame_ticks == 0, "dataset.sample_every", config.sample_every,
+            f"a multiple of the camera's {frame_ticks} control ticks")
+    history = collections.deque([env.state_vector()] * config.state_slots, maxlen=config.state_slots)  # newest first
     ticks = round(config.seconds * sim.control_hz)
     vehicle = sim.vehicle
     for tick in range(ticks):
@@ -118,15 +128,15 @@ def generate_episode(config: DatasetConfig, episode: int,
             break
         giver.update(truth)
         goal = giver.goal
+        if tick % frame_ticks == 0:  # a camera frame: the node takes a decision, and the state ring a state
+            history.appendleft(env.state_vector())
         if tick % config.sample_every == 0:
-            state = env.state_vector()
             out["images"].append(np.ascontiguousarray(preprocess_frame(env.frame(), config.image_size)))
             out["instructions"].append(INSTRUCTIONS.index(goal.instruction))
-            out["states"].append(np.stack([state, previous]))
+            out["states"].append(np.stack(history))
             out["chunks"].append(expert_chunk(expert, env.road, vehicle, env.ego, env.s, goal,
                                               config.horizon, env.dt))
             out["truth"].append((truth.d - env.road.lane_offset(goal.lane), truth.heading_error, truth.speed))
-            previous = state
         steer_noise = steer_noise * decay + steer_std * math.sqrt(1 - decay * decay) * float(rng.standard_normal())
         action = expert_action(expert, env.road, vehicle, env.ego, env.s, goal)
         action = action + np.array([steer_noise, accel_std * float(rng.standard_normal())], np.float32)
@@ -135,7 +145,7 @@ def generate_episode(config: DatasetConfig, episode: int,
     return {
         "images": np.asarray(out["images"], np.uint8).reshape(n, size, size, 3),
         "instructions": np.asarray(out["instructions"], np.uint8),
-        "states": np.asarray(out["states"], np.float32).reshape(n, 2, -1),
+        "states": np.asarray(out["states"], np.float32).reshape(n, config.state_slots, -1),
         "chunks": np.asarray(out["chunks"], np.float32).reshape(n, config.horizon, 2),
         "truth": np.asarray(out["truth"], np.float32).reshape(n, 3),
         "episode": np.full(n, episode, np.int32),
@@ -194,11 +204,13 @@ def build_dataset(folder: str | os.PathLike, config: DatasetConfig, workers: int
 
 def _run_workers(folder: Path, missing: list[int], workers: int, total: int, progress: bool) -> None:
     """Worker processes over the missing shards (round robin), with a progress bar counting finished shards."""
-    procs = []
+    procs, logs = [], []
     for w in range(workers):
         shards = ",".join(str(s) for s in missing[w::workers])
-        procs.append(subprocess.Popen([sys.executable, "-m", "vla_node.train.dataset", str(folder), shards],
-                                      stderr=subprocess.PIPE, text=True))
+        logs.append(folder / f"worker-{w}.log")
+        with open(logs[-1], "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "vla_node.train.dataset", str(folder), shards],
+                                          stdout=log, stderr=subprocess.STDOUT))
     bar = Progress(len(missing) * SHARD_EPISODES, "dataset", unit="episodes", enabled=progress)
     done = 0
     try:
@@ -213,9 +225,11 @@ def _run_workers(folder: Path, missing: list[int], workers: int, total: int, pro
                 p.kill()
             p.wait()
         bar.close()
-    failed = [p for p in procs if p.returncode != 0]
+    failed = [(p, log) for p, log in zip(procs, logs) if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"dataset worker exited {failed[0].returncode}: {failed[0].stderr.read()[-2000:]}")
+        process, log = failed[0]
+        last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"dataset worker exited {process.returncode}: {last} (its log: {log})")
     left = [s for s in missing if not shard_path(folder, s).exists()]
     if left:
         raise RuntimeError(f"{folder}: shards {left[:5]} of {total} were not written")

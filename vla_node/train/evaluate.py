@@ -9,8 +9,6 @@ tests; `vla-node drive` answers it for the real node in real time.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -19,10 +17,9 @@ from vla_node.progress import Progress
 from vla_node.runtime.reference import ReferencePolicy
 from vla_node.sim.env import RoadEnv, SimConfig
 from vla_node.sim.loop import drive_in_process
+from vla_node.sim.metrics import aggregate
 from vla_node.sim.scenario import Cue, InstructionGiver, default_cues
 
-AGGREGATES = ("lateral_error_mean_m", "lateral_error_max_m", "lane_departures", "collisions", "instruction_success",
-              "speed_error_mean_mps")
 
 
 class ReferenceDriver:
@@ -37,8 +34,8 @@ class ReferenceDriver:
 
 def evaluate(model: VLA, seeds: tuple[int, ...] = (0,), seconds: float = 120.0, cues: tuple[Cue, ...] | None = None,
              start_offset_m: float = 0.0, progress: bool = False) -> dict:
-    """Drive `seconds` on each seed's road; returns {"drives": [summary per seed], plus the mean of each aggregate
-    figure over the drives (departures and collisions summed)}."""
+    """Drive `seconds` on each seed's road; returns {"drives": [summary per seed], and the drives' figures together
+    (sim.metrics.aggregate)}."""
     drives = []
     bar = Progress(len(seeds), "evaluate", unit="drives", enabled=progress)
     with torch.inference_mode():
@@ -51,17 +48,3 @@ def evaluate(model: VLA, seeds: tuple[int, ...] = (0,), seconds: float = 120.0, 
             bar.update(1)
     bar.close()
     return {"drives": drives, **aggregate(drives)}
-
-
-def aggregate(drives: list[dict]) -> dict:
-    out = {}
-    for key in AGGREGATES:
-        values = [d[key] for d in drives if not (isinstance(d[key], float) and math.isnan(d[key]))]
-        if key in ("lane_departures", "collisions"):
-            out[key] = int(sum(values))
-        elif key == "lateral_error_max_m":
-            out[key] = float(max(values)) if values else math.nan
-        else:
-            out[key] = float(np.mean(values)) if values else math.nan
-    out["left_road"] = sum(bool(d["left_road"]) for d in drives)
-    return out

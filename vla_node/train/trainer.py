@@ -39,12 +39,12 @@ from vla_node.model.config import ModelConfig
 from vla_node.model.config import preset as preset_config
 from vla_node.model.vla import VLA, build_vla, to_pixels
 from vla_node.progress import Progress
+from vla_node.sim.env import ACTION_DIMS, STATE_DIM
 from vla_node.sim.instructions import INSTRUCTIONS
 from vla_node.train.dataset import SHARD_EPISODES, DatasetConfig, build_dataset
 from vla_node.train.losses import Losses
 from vla_node.validate import ConfigError, choose, is_int, is_number, require
 
-SIM_ACTION_DIMS, SIM_STATE_DIM = 2, 4
 VALIDATION_SAMPLES = 512
 # What a run of each preset takes unless told otherwise: tiny trains in minutes on a 2-core CPU, small in under an
 # hour (its 224 px frames: fewer episodes, a smaller batch, a lower rate), base is for a GPU.
@@ -85,6 +85,8 @@ class TrainConfig:
                 "a number in [0, 1)")
         require(is_number(self.flow_noise_scale) and self.flow_noise_scale > 0, "flow_noise_scale",
                 self.flow_noise_scale, "a number > 0")
+        require(self.episodes > self.held_out_episodes, "episodes", self.episodes,
+                f"more than the {self.held_out_episodes} held out (5%, at least {SHARD_EPISODES})")
 
     def model(self) -> ModelConfig:
         """The model trained: the preset's shapes with the action head (flow: with flow_noise_scale)."""
@@ -98,9 +100,14 @@ class TrainConfig:
         return cls(preset=preset, **{**PRESET_RUNS[preset], **changes})
 
     def dataset(self) -> DatasetConfig:
-        model = preset_config(self.preset)
-        return DatasetConfig(image_size=model.image_size, horizon=model.action_horizon, episodes=self.episodes,
-                             seed=self.seed)
+        model = self.model()
+        return DatasetConfig(image_size=model.image_size, horizon=model.action_horizon, state_slots=model.state_slots,
+                             episodes=self.episodes, seed=self.seed)
+
+    @property
+    def held_out_episodes(self) -> int:
+        """The last episodes, kept out of training: 5% and at least one shard."""
+        return max(SHARD_EPISODES, self.episodes // 20)
 
     def same_run(self, other: "TrainConfig") -> bool:
         """Whether `other` continues this run (only the step count, saving and threads may differ)."""
@@ -127,9 +134,11 @@ class Batches:
     def take(self, index: np.ndarray, generator: np.random.Generator) -> dict[str, torch.Tensor]:
         d = self.data
         instruction = torch.from_numpy(d["instructions"][index].astype(np.int64))
-        states = d["states"][index]  # [B, 2, state_dim]: now, previous
-        newest_second = generator.random(len(index)) < 0.5  # the ring's newest slot alternates
-        states = np.where(newest_second[:, None, None], states[:, ::-1], states)
+        history = d["states"][index]  # [B, slots, state_dim]: the newest first
+        slots = history.shape[1]
+        newest = generator.integers(0, slots, len(index))  # [B] the ring slot the newest state is in
+        age = (newest[:, None] - np.arange(slots)[None, :]) % slots  # [B, slots] how old each ring slot's state is
+        states = np.take_along_axis(history, age[:, :, None], axis=1)  # [B, slots, state_dim] in ring order
         images = d["images"][index]  # [B, S, S, 3]
         return {
             "text_ids": self.text_ids[instruction], "text_valid": self.text_valid[instruction],
@@ -187,6 +196,18 @@ def _save_snapshot(out: Path, model: VLA, optimizer: torch.optim.Optimizer, stat
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _recover_snapshot(folder: Path) -> Path:
+    """folder/snapshot; where a run was killed between its two renames (_save_snapshot), the whole snapshot it
+    left, the new one first, is put back there."""
+    current = folder / "snapshot"
+    if not current.exists():
+        for left in (folder / "snapshot.new", folder / "snapshot.old"):
+            if (left / "state.json").is_file() and (left / "optimizer.safetensors").is_file():
+                os.replace(left, current)
+                break
+    return current
+
+
 def _load_snapshot(folder: Path, model: VLA, optimizer: torch.optim.Optimizer) -> None:
     moments = load_file(str(folder / "optimizer.safetensors"))
     for name, p in model.named_parameters():
@@ -197,9 +218,8 @@ def _load_snapshot(folder: Path, model: VLA, optimizer: torch.optim.Optimizer) -
 
 def _check_model(model: VLA) -> None:
     c = model.config
-    require(c.action_dims == SIM_ACTION_DIMS and c.state_dim == SIM_STATE_DIM, "model", c.name,
-            f"a model with action_dims {SIM_ACTION_DIMS} (steer, accel) and state_dim {SIM_STATE_DIM} (the "
-            "simulator's)")
+    require(c.action_dims == ACTION_DIMS and c.state_dim == STATE_DIM, "model", c.name,
+            f"a model with action_dims {ACTION_DIMS} (steer, accel) and state_dim {STATE_DIM} (the simulator's)")
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -210,7 +230,7 @@ def train(config: TrainConfig, out: str | os.PathLike, *, data_dir: str | os.Pat
     """Train (or resume) into `out`; returns the final state (step, losses, held-out loss, seconds). data_dir: the
     dataset's folder (default out/train/data; runs of one preset and seed, both heads, can share one)."""
     out = Path(out)
-    snapshot = out / "train" / "snapshot"
+    snapshot = _recover_snapshot(out / "train")
     state = {"config": dataclasses.asdict(config), "step": 0, "losses": [], "validation": [], "seconds": 0.0}
     if (snapshot / "state.json").exists():
         saved = json.loads((snapshot / "state.json").read_text())
@@ -229,8 +249,8 @@ def train(config: TrainConfig, out: str | os.PathLike, *, data_dir: str | os.Pat
     t0 = time.monotonic()
     data = build_dataset(Path(data_dir) if data_dir is not None else out / "train" / "data", data_config,
                          workers=config.workers, progress=progress)
-    held_out_episodes = max(SHARD_EPISODES, config.episodes // 20)
-    validation_from = int(np.searchsorted(data["episode"], config.episodes - held_out_episodes))
+    validation_from = int(np.searchsorted(data["episode"], config.episodes - config.held_out_episodes))
+    threads = torch.get_num_threads()
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
     losses = Losses(model)
     batches = Batches(data, losses, config.seed, validation_from)
@@ -240,7 +260,10 @@ def train(config: TrainConfig, out: str | os.PathLike, *, data_dir: str | os.Pat
     print(f"train: {config.preset} {config.action_head}, {batches.train_count} samples "
           f"({batches.size - batches.train_count} held out), batch {config.batch_size}, steps {config.steps}",
           flush=True)
-    _loop(config, model, optimizer, losses, batches, state, out, progress, t0)
+    try:
+        _loop(config, model, optimizer, losses, batches, state, out, progress, t0)
+    finally:
+        torch.set_num_threads(threads)
     save_checkpoint(model.eval(), out)
     (out / "train" / "state.json").write_text(json.dumps(state, indent=1))
     return state
@@ -278,6 +301,8 @@ def _loop(config: TrainConfig, model: VLA, optimizer: torch.optim.Optimizer, los
     finally:
         signal.signal(signal.SIGINT, previous)
         bar.close()
+    if window:  # an interrupted run keeps the losses of its last steps too
+        state["losses"].append([state["step"], float(np.mean(window))])
     if stop["signal"] is not None:
         state["seconds"] = elapsed0 + time.monotonic() - t0
         _save_snapshot(out, model, optimizer, state)
