@@ -18,6 +18,7 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt", "cudagraph")  # as backends/engi
 RECIPES = ("fp32", "int8-ort", "int8-trt")  # the engines' recipes (backends/quantize.RECIPES)
 from vla_node.model.config import PRESETS, ModelConfig
 from vla_node.runtime.reuse import ReuseConfig
+from vla_node.sched.ladder import Level
 from vla_node.sched.scheduler import SchedulerConfig, check_min_level, scheduler_levels
 from vla_node.validate import ConfigError, choose, from_dict, is_number, require
 from vla_node.wire.protocol import CameraSpec, ProtocolLimits
@@ -196,10 +197,8 @@ class NodeConfig:
                     self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
         if self.scheduler.smaller_preset is not None:
             choose("scheduler.smaller_preset", self.scheduler.smaller_preset, PRESETS)
-        if self.scheduler.min_level is not None:  # the node's levels: its features as the pipeline declares them
-            levels = scheduler_levels(self.scheduler, {"chunk": model.action_horizon > 1},
-                                      model.flow_steps if model.action_head == "flow" else None)
-            check_min_level(self.scheduler.min_level, levels)
+        if self.scheduler.min_level is not None:
+            check_min_level(self.scheduler.min_level, node_levels(self))
         try:  # the vision memory's knobs bounded by the model's window and frame size, as the policy will see them
             self.cache.vision.for_model(model.vision_frames, model.tokens_per_frame)
         except ConfigError as e:
@@ -213,6 +212,19 @@ class NodeConfig:
 
     def replace(self, **sections) -> "NodeConfig":
         return dataclasses.replace(self, **sections)
+
+
+def node_features(model: ModelConfig, smaller_engine: bool) -> dict[str, bool]:
+    """What a node of `model` can degrade by (sched/ladder.py FEATURES), as its pipeline declares it."""
+    return {"reuse": True, "refresh_cap": True, "vision_cache": True, "smaller_engine": smaller_engine,
+            "chunk": model.action_horizon > 1}
+
+
+def node_levels(config: NodeConfig) -> tuple[Level, ...]:
+    """The degrade levels of the node `config` describes (a smaller engine where one is configured)."""
+    model = config.model.model_config()
+    return scheduler_levels(config.scheduler, node_features(model, config.scheduler.smaller_engine),
+                            model.flow_steps if model.action_head == "flow" else None)
 
 
 def _read_toml(path: Path) -> dict:

@@ -70,7 +70,9 @@ def soft_mask(horizon: int, frozen: int, overlap: int) -> torch.Tensor:
 
 
 def guidance_weight(tau: float, beta: float) -> float:
-    """min(beta, (1 - tau) / (tau r^2)), r^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2); beta at tau = 0."""
+    """min(beta, (1 - tau) / (tau r^2)), r^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2); beta at tau = 0. The paper's
+    weight for unit noise and actions of unit scale; with model.flow_noise_scale at the actions' own scale the same
+    holds in those units (dividing actions and noise by it scales the velocity and its correction alike)."""
     if tau <= 0.0:
         return beta
     r2 = (1.0 - tau) ** 2 / (tau**2 + (1.0 - tau) ** 2)

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.config import NodeConfig
+from vla_node.config import NodeConfig, node_features
 from vla_node.node.chunking import RealTimeChunking
 from vla_node.node.faults import with_faults
 from vla_node.node.policies import BackendChoice, build_policies
@@ -54,9 +54,7 @@ class Pipeline:
         self.gates = [ReuseGate(config.reuse, c.image_size, c.patch_size) for _ in config.cameras]
         # where chunks go: the node's publisher (its link), else a chunk broker of its own (tests, benchmarks)
         self.broker = broker if broker is not None else config.scheduler.broker(c.action_horizon, c.action_dims)
-        features = {"reuse": True, "refresh_cap": True, "vision_cache": True, "smaller_engine": small is not None,
-                    "chunk": c.action_horizon > 1}
-        self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=features,
+        self.scheduler = Scheduler(config.scheduler, prior_ms=self.priors, features=node_features(c, small is not None),
                                    flow_steps=c.flow_steps if self.flow else None)
         sched_config = config.scheduler
         self.chunking = RealTimeChunking(c.action_horizon, c.action_dims, sched_config.period_ns) \

@@ -108,7 +108,9 @@ class SchedulerConfig:
     denoising_steps: tuple[int, ...] = (5, 2)  # the flow head's fewer_denoising_steps levels (below its flow_steps)
     real_time_chunking: bool = False           # flow head: guide each chunk toward the one being played (RTC)
     min_level: str | None = None               # never below this level (its name, as health shows it, e.g.
-                                               # "cap_refreshed_tokens 25%"): what a level costs, measured by forcing it
+                                               # "cap_refreshed_tokens 25%") from the first frame that ran inference
+                                               # on: what a level costs, measured by forcing it (an instruction change
+                                               # still refreshes every vision token, as at any level)
 
     def __post_init__(self) -> None:
         for key in ("control_hz", "action_deadline_ms", "vision_deadline_ms", "text_deadline_ms",
@@ -290,14 +292,15 @@ class Scheduler:
         }
         self._prior_scale = {key: 1.0 for key in cost_priors}
         self._highest_inference = max(level.index for level in self.levels if level.knobs.run_inference)
-        self._floor = check_min_level(config.min_level, self.levels)
+        self._min_level = check_min_level(config.min_level, self.levels)
+        self._floor = 0  # min_level, once a frame ran inference (so that the node has looked once)
         self._vision_deadline_ns = _ns(config.vision_deadline_ms)
         self._text_deadline_ns = _ns(config.text_deadline_ms)
         self._action_deadline_ns = _ns(config.action_deadline_ms)
         self._cost_max_age_ns = _ns(config.cost_max_age_ms)
         self._full_refresh = Knobs()  # what the main engine runs on an instruction change
         self._load_factor = 1.0
-        self._level = self._floor
+        self._level = 0
         self._misses = 0
         self._ok = 0
         self._pending: FramePlan | None = None
@@ -501,6 +504,9 @@ class Scheduler:
                 self._last_sample_ns[key] = now_ns
         if outcome.runs:
             self._last_measured_ns = now_ns
+            if self._floor < self._min_level:
+                self._floor = self._min_level
+                self._level = max(self._level, self._floor)
         self._update_prior_scales()
         self.frames += 1
         if plan.stale:
