@@ -35,12 +35,13 @@ def given(args, *names: str) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def bench_kwargs(args, preset_keyword: str | None, *names: str) -> dict:
-    """The benchmark's keyword arguments from the flags given (--preset and --json before or after its name)."""
+def bench_kwargs(args, preset_keyword: str | None, *names: str, no_preset: str = "it times fixed shapes") -> dict:
+    """The benchmark's keyword arguments from the flags given (--preset and --json before or after its name);
+    no_preset: why --preset does not apply, for a benchmark without a preset keyword."""
     kwargs = given(args, "json_path", *names)
     if getattr(args, "preset", None) is not None:
         if preset_keyword is None:
-            raise ConfigError(f"bench {args.what}: --preset does not apply (it times fixed shapes)")
+            raise ConfigError(f"bench {args.what}: --preset does not apply ({no_preset})")
         kwargs[preset_keyword] = args.preset
     return kwargs
 
@@ -83,7 +84,8 @@ def cmd_bench(args) -> int:
     elif args.what == "closed-loop":
         from vla_node.bench import closed_loop
 
-        kwargs = bench_kwargs(args, None, "checkpoints", "minutes", "out_dir")
+        kwargs = bench_kwargs(args, None, "checkpoints", "minutes", "out_dir",
+                              no_preset="it drives tiny checkpoints: --checkpoints")
         for name in ("seeds", "heads", "only"):
             if getattr(args, name, None):
                 kwargs[name] = tuple(getattr(args, name))
@@ -224,10 +226,11 @@ def cmd_train(args) -> int:
                                     **given(args, "steps", "batch_size", "lr", "seed", "episodes", "save_every",
                                             "workers", "threads"))
     state = train(config, args.out, data_dir=args.data, progress=not args.no_progress)
-    first, last = state["losses"][0][1], state["losses"][-1][1]
+    losses = state["losses"]
     held_out = state["validation"][-1][1] if state["validation"] else None
     print(f"wrote {args.out}: {config.preset} {config.action_head} checkpoint after {state['step']} steps in "
-          f"{state['seconds'] / 60:.1f} min; training loss {first:.4f} -> {last:.4f}"
+          f"{state['seconds'] / 60:.1f} min"
+          + (f"; training loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}" if losses else "")
           + (f", held-out loss {held_out:.4f}" if held_out is not None else ""))
     if args.evaluate:
         from vla_node.model.checkpoint import load_checkpoint

@@ -70,6 +70,6 @@ def test_the_closed_loop_bench_drives_each_configuration_and_measures_it_offline
     assert rows["level: skip_vision"]["offline"]["logit_rel_err"] > 0.01  # acting on the first frame's vision
     assert json.loads((tmp_path / "closed.json").read_text())["heads"]["bins"]["configurations"][0]["name"] == \
         "reference"
-    with pytest.raises(ConfigError, match=r"--only \['no such'\]"):
+    with pytest.raises(ConfigError, match=r"--only = \['no such'\]: expected configurations among"):
         closed_loop.run(checkpoints=str(tmp_path / "checkpoints"), heads=("bins",), only=("no such",),
                         progress=False)

@@ -42,7 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from vla_node.bench.clips import shared_clips
-from vla_node.validate import ConfigError, require
+from vla_node.bench.engines import cpu_model
+from vla_node.sim.metrics import aggregate
+from vla_node.validate import require
 
 REFERENCE = ("model.dtype=fp32", "model.weights=fp32", "model.backend=torch", "cache.text_dtype=fp32",
              "cache.action_dtype=fp32", "cache.vision.storage_dtype=fp32", "reuse.threshold=0",
@@ -50,7 +52,7 @@ REFERENCE = ("model.dtype=fp32", "model.weights=fp32", "model.backend=torch", "c
 DELAY_FAULTS = "vision 400\naction 200\n"  # far past sim.toml's 120 ms vision and 60 ms action deadlines
 DELAY_FROM = 0.2  # of the drive
 FIGURES = ("lateral_error_mean_m", "lateral_error_max_m", "lane_departures", "departures_at_speed", "collisions",
-           "instruction_success", "speed_error_mean_mps", "final_speed_mps")
+           "instruction_success", "speed_error_mean_mps", "final_speed_mps")  # per configuration (sim.metrics)
 OFFLINE_FRAMES_PER_CLIP = 24
 OFFLINE_FPS = 10.0
 
@@ -91,15 +93,17 @@ def settings(head: str, level_names: list[str], calibration: str) -> list[Settin
     return out
 
 
-def _node_levels(launch: Path, checkpoint: Path) -> list[str]:
-    from vla_node.config import load_launch
-    from vla_node.sched.scheduler import scheduler_levels
+def _levels(head: str, checkpoint: Path | None = None) -> dict:
+    """The levels of a node of `head` on launch/sim.toml (the checkpoint's model, else the tiny preset's), by name."""
+    from vla_node.config import load_launch, node_levels
+    from vla_node.drives.closed_loop import SIM_LAUNCH
 
-    config = load_launch(launch, (f"model.checkpoint={checkpoint}",))
-    model = config.model.model_config()
-    levels = scheduler_levels(config.scheduler, {"chunk": model.action_horizon > 1},
-                              model.flow_steps if model.action_head == "flow" else None)
-    return [level.name for level in levels if level.knobs.run_inference]
+    model = (f"model.checkpoint={checkpoint}",) if checkpoint else ("model.preset=tiny", f"model.action_head={head}")
+    return {level.name: level for level in node_levels(load_launch(SIM_LAUNCH, model))}
+
+
+def _inference_levels(head: str, checkpoint: Path | None = None) -> list[str]:
+    return [name for name, level in _levels(head, checkpoint).items() if level.knobs.run_inference]
 
 
 def checkpoint_for(root: Path, head: str, progress: bool) -> Path:
@@ -153,18 +157,8 @@ def _offline_frames(image_limit: int) -> tuple[list[np.ndarray], str]:
 
 
 def _aggregate(drives: list[dict]) -> dict:
-    out = {}
-    for key in FIGURES:
-        values = [d[key] for d in drives if d.get(key) is not None and not (isinstance(d[key], float)
-                                                                           and math.isnan(d[key]))]
-        if not values:
-            out[key] = None
-        elif key in ("lane_departures", "departures_at_speed", "collisions"):
-            out[key] = int(sum(values))
-        elif key == "lateral_error_max_m":
-            out[key] = float(max(values))
-        else:
-            out[key] = float(np.mean(values))
+    """The drives of one configuration: sim.metrics.aggregate's figures, their status counts and latency p99."""
+    out = aggregate(drives)
     statuses: dict[str, int] = {}
     for d in drives:
         for k, v in (d["latency"].get("status_counts") or {}).items():
@@ -172,70 +166,73 @@ def _aggregate(drives: list[dict]) -> dict:
     out["status_counts"] = statuses
     p99 = [d["latency"]["latency_ms"]["p99"] for d in drives if (d["latency"].get("latency_ms") or {}).get("p99")]
     out["latency_p99_ms"] = float(max(p99)) if p99 else None
-    out["left_road"] = sum(bool(d["left_road"]) for d in drives)
     return out
 
 
 def run(json_path: str | None = None, checkpoints: str | None = None, minutes: float = 1.0,
         seeds: tuple[int, ...] = (0,), heads: tuple[str, ...] = ("bins", "flow"), only: tuple[str, ...] = (),
         out_dir: str | None = None, progress: bool = True) -> dict:
-    from vla_node.bench.offline_deviation import offline_deviation
-    from vla_node.config import load_launch
-    from vla_node.drives.closed_loop import SIM_LAUNCH, drive, finite
-    from vla_node.sched.ladder import Knobs
-    from vla_node.sched.scheduler import scheduler_levels
+    from vla_node.drives.closed_loop import SIM_LAUNCH, finite
 
     require(all(h in ("bins", "flow") for h in heads) and heads, "heads", heads, "bins and/or flow")
     require(minutes > 0, "minutes", minutes, "a number of minutes > 0")
+    known = {s.name for head in heads for s in settings(head, _inference_levels(head), "calib")}
+    unknown = sorted(set(only) - known)
+    require(not unknown, "--only", unknown, f"configurations among {sorted(known)}")
     root = Path(checkpoints) if checkpoints else Path("out/closed-loop/checkpoints")
     work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="vla-closed-loop-"))
     work.mkdir(parents=True, exist_ok=True)
-    offline_frames, offline_source = _offline_frames(OFFLINE_FRAMES_PER_CLIP)
-    result = {"machine": {"cpu": _cpu_name(), "python": platform.python_version()}, "minutes": minutes,
-              "seeds": list(seeds), "launch": str(SIM_LAUNCH), "offline_frames": offline_source, "heads": {}}
-    for head in heads:
-        checkpoint = checkpoint_for(root, head, progress).resolve()
-        names = _node_levels(SIM_LAUNCH, checkpoint)
-        calibration = work / head / "calib"
-        every = settings(head, names, str(calibration))
-        unknown = set(only) - {s.name for s in every}
-        if unknown:
-            raise ConfigError(f"--only {sorted(unknown)}: not a configuration of the {head} head; expected among "
-                              f"{[s.name for s in every]}")
-        chosen = [s for s in every if not only or s.name in only]
-        if any("model.recipe=int8-trt" in s.overrides for s in chosen):
-            _calibrate(calibration, SIM_LAUNCH, checkpoint)
-        rows = []
-        for index, setting in enumerate(chosen):
-            print(f"bench closed-loop: {head} {index + 1}/{len(chosen)} {setting.name}", flush=True)
-            overrides = setting.overrides + (f"model.engines_dir={work / 'engines'}",)
-            drives = [_drive_one(drive, checkpoint, overrides, setting, minutes, seed,
-                                 work / head / _slug(setting.name) / f"seed{seed}", progress) for seed in seeds]
-            row = {"name": setting.name, "what": setting.what, "overrides": list(setting.overrides),
-                   **_aggregate(drives)}
-            if setting.offline:
-                config = load_launch(SIM_LAUNCH, (f"model.checkpoint={checkpoint}",) + overrides)
-                model = config.model.model_config()
-                levels = {lv.name: lv for lv in scheduler_levels(
-                    config.scheduler, {"chunk": model.action_horizon > 1},
-                    model.flow_steps if model.action_head == "flow" else None)}
-                knobs = levels[setting.level].knobs if setting.level else Knobs()
-                row["offline"] = offline_deviation(config, offline_frames, knobs)
-            else:
-                row["offline"] = None
-            rows.append(row)
-            print(format_row(row), flush=True)
-        result["heads"][head] = {"checkpoint": str(checkpoint), "configurations": rows}
+    try:
+        offline_frames, offline_source = _offline_frames(OFFLINE_FRAMES_PER_CLIP)
+        result = {"machine": {"cpu": cpu_model(), "python": platform.python_version()}, "minutes": minutes,
+                  "seeds": list(seeds), "launch": str(SIM_LAUNCH), "offline_frames": offline_source, "heads": {}}
+        for head in heads:
+            checkpoint = checkpoint_for(root, head, progress).resolve()
+            chosen = [s for s in settings(head, _inference_levels(head, checkpoint), str(work / head / "calib"))
+                      if not only or s.name in only]
+            rows = _head(head, checkpoint, chosen, minutes, seeds, work, offline_frames, progress)
+            result["heads"][head] = {"checkpoint": str(checkpoint), "configurations": rows}
+    finally:
+        if out_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
     print(format_table(result))
     if json_path:
         Path(json_path).write_text(json.dumps(finite(result), indent=1))
-    if out_dir is None:
-        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-def _drive_one(drive, checkpoint: Path, overrides: tuple[str, ...], setting: Setting, minutes: float, seed: int,
+def _head(head: str, checkpoint: Path, chosen: list[Setting], minutes: float, seeds: tuple[int, ...], work: Path,
+          offline_frames: list[np.ndarray], progress: bool) -> list[dict]:
+    """Every chosen configuration of one head: its drives (one per seed) and its offline deviation."""
+    from vla_node.bench.offline_deviation import offline_deviation
+    from vla_node.config import load_launch
+    from vla_node.drives.closed_loop import SIM_LAUNCH
+    from vla_node.sched.ladder import Knobs
+
+    if any("model.recipe=int8-trt" in s.overrides for s in chosen):
+        _calibrate(work / head / "calib", SIM_LAUNCH, checkpoint)
+    levels = _levels(head, checkpoint)
+    rows = []
+    for index, setting in enumerate(chosen):
+        print(f"bench closed-loop: {head} {index + 1}/{len(chosen)} {setting.name}", flush=True)
+        overrides = setting.overrides + (f"model.engines_dir={work / 'engines'}",)
+        drives = [_drive_one(checkpoint, overrides, setting, minutes, seed,
+                             work / head / _slug(setting.name) / f"seed{seed}", progress) for seed in seeds]
+        row = {"name": setting.name, "what": setting.what, "overrides": list(setting.overrides), **_aggregate(drives)}
+        row["offline"] = None
+        if setting.offline:
+            config = load_launch(SIM_LAUNCH, (f"model.checkpoint={checkpoint}",) + overrides)
+            knobs = levels[setting.level].knobs if setting.level else Knobs()
+            row["offline"] = offline_deviation(config, offline_frames, knobs)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def _drive_one(checkpoint: Path, overrides: tuple[str, ...], setting: Setting, minutes: float, seed: int,
                out: Path, progress: bool) -> dict:
+    from vla_node.drives.closed_loop import drive
+
     env, schedule = None, ()
     if setting.faults is not None:
         from vla_node.node.faults import FAULT_FILE_ENV
@@ -250,16 +247,6 @@ def _drive_one(drive, checkpoint: Path, overrides: tuple[str, ...], setting: Set
 
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _f(value, digits: int = 3) -> str:

@@ -4,7 +4,7 @@
 
 The node runs in its own process (as `vla-node replay` starts it) from the launch file with the checkpoint set
 (`--set model.checkpoint=DIR`, plus any other `--set`). The simulator steps the car at the launch file's control rate
-on the wall clock: every tick it applies the newest action the node has published (the node's own safe action until
+on the wall clock: every tick it applies the newest action the node has published (the launch file's safe action until
 its first arrives), and at the camera rate it sends the state and then the frame its camera sees, stamped at send.
 Instructions come from the drive's cues (scenario.py) as the node would get them from a navigation system. So the
 node's latency is the car's: a late chunk is driven late, a fallback is driven.
@@ -28,20 +28,21 @@ from typing import Mapping
 
 import numpy as np
 
-from vla_node.drives.replay import SentFrame, _addresses, _backend, _drain, _handshake, _stop_node, records
+from vla_node.config import LAUNCH_DIR
+from vla_node.drives.replay import SentFrame, _addresses, _drain, _handshake, _stop_node, latency_report
 from vla_node.drives.replay_threads import Receiver
-from vla_node.node.process import NodeProcess, NodeProcessError
+from vla_node.node.process import NodeProcess
 from vla_node.node.signals import ExitOn, SignalFlag
 from vla_node.progress import Progress
 from vla_node.report.drive_html import render_drive_html
-from vla_node.report.report import RunMeta, build_report, format_summary, write_report
-from vla_node.sim.env import RoadEnv, SimConfig
+from vla_node.report.report import format_summary
+from vla_node.sim.env import ACTION_DIMS, STATE_DIM, RoadEnv, SimConfig
 from vla_node.sim.metrics import DriveMetrics
 from vla_node.sim.scenario import Cue, InstructionGiver, default_cues
 from vla_node.validate import ConfigError, is_number, require
 from vla_node.wire.transport import Client
 
-SIM_LAUNCH = Path(__file__).resolve().parents[2] / "launch" / "sim.toml"
+SIM_LAUNCH = LAUNCH_DIR / "sim.toml"
 WARMUP_TIMEOUT_S = 300.0
 LATENCY_KEYS = ("frames_sent", "frames_processed", "frames_dropped", "latency_ms", "control_jitter_ms",
                 "deadline_misses", "status_counts", "degrade_levels", "vision_reuse_ratio", "startup_s")
@@ -64,7 +65,9 @@ def drive(checkpoint: str | os.PathLike, launch: str | os.PathLike | None = None
     content. env: variables for the node's process; fault_schedule: (at_s, path, text): at simulated time at_s the
     file `path` gets `text` (the node's test-only fault file, named in env: a delay that starts mid-drive). Raises
     ConfigError (arguments, launch file, checkpoint), NodeProcessError (the node)."""
-    require(is_number(minutes) and 0 < minutes <= 24 * 60, "minutes", minutes, "a number of minutes in (0, 1440]")
+    longest = SimConfig().max_seconds() / 60
+    require(is_number(minutes) and 0 < minutes <= longest, "minutes", minutes,
+            f"a number of minutes in (0, {longest:.0f}] (the longest road the simulator builds)")
     from vla_node.config import load_launch
     from vla_node.model.checkpoint import CheckpointError, read_config
 
@@ -73,8 +76,9 @@ def drive(checkpoint: str | os.PathLike, launch: str | os.PathLike | None = None
         model = read_config(checkpoint)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    require(model.action_dims == 2 and model.state_dim == 4, "checkpoint", str(checkpoint),
-            "a model of 2 action dims (steer, accel) and 4 state values (the simulator's; `vla-node train`)")
+    require(model.action_dims == ACTION_DIMS and model.state_dim == STATE_DIM, "checkpoint", str(checkpoint),
+            f"a model of {ACTION_DIMS} action dims (steer, accel) and {STATE_DIM} state values (the simulator's; "
+            "`vla-node train`)")
     overrides = (f"model.checkpoint={Path(checkpoint).resolve()}", *overrides)
     config = load_launch(launch_path, overrides)
     require(len(config.cameras) == 1, "cameras", [c.name for c in config.cameras], "one camera (the simulator's)")
@@ -129,7 +133,7 @@ def _simulate(client: Client, receiver: Receiver, node: NodeProcess, env: RoadEn
     camera = config.cameras[0].name
     period_ns = round(1e9 / sim.control_hz)
     frame_period_s = 1.0 / sim.fps
-    fallback = np.asarray(config.scheduler.fallback_action or (0.0,) * 2, np.float32)
+    fallback = np.asarray(config.scheduler.fallback_action or (0.0,) * ACTION_DIMS, np.float32)
     ticks = round(seconds * sim.control_hz)
     sent: list[SentFrame] = []
     seq = command_seq = late = 0
@@ -200,18 +204,7 @@ def road_geometry(env: RoadEnv, s_from: float, s_to: float, step_m: float = 5.0)
 def _write(out: Path, checkpoint, launch_path: Path, overrides: tuple[str, ...], sim: SimConfig, env: RoadEnv,
            giver: InstructionGiver, metrics: DriveMetrics, config, run: _Run, receiver: Receiver,
            node: NodeProcess) -> dict:
-    first_ns = run.sent[0].stamp_ns if run.sent else time.monotonic_ns()
-    actions = [a for a in receiver.actions if a.stamp_ns >= first_ns]
-    frames = records(run.sent, actions)
-    health = receiver.health or {}
-    answered = [f.first_action_ns for f in frames if f.first_action_ns is not None]
-    meta = RunMeta(drive=f"sim:{sim.seed}", model=str(checkpoint), backend=_backend(health, config),
-                   control_hz=config.scheduler.control_hz, deadline_ms=config.scheduler.vision_deadline_ms,
-                   health=health, recipe=str(health.get("recipe", "unknown")),
-                   startup_s=(answered[0] - node.launched_ns) / 1e9 if answered else None,
-                   head=health.get("head") if isinstance(health.get("head"), str) else None)
-    latency = build_report(frames, actions, meta)
-    write_report(latency, frames, actions, out)
+    latency = latency_report(f"sim:{sim.seed}", config, run.sent, receiver, node, out)[0]
     summary = metrics.summary(giver)
     trace = metrics.trace
     result = {

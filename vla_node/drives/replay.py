@@ -347,20 +347,8 @@ def _write_replay_report(reader: DriveReader, config: NodeConfig, result: Stream
                          ) -> tuple[dict, Path, Path]:
     """The report of the actions that answer the frames sent (from the first on): written to out/report.json and
     report.html, its summary and notes printed. Returns (report, json_path, html_path)."""
-    first_ns = result.frames[0].stamp_ns if result.frames else time.monotonic_ns()
-    actions = [a for a in receiver.actions if a.stamp_ns >= first_ns]
-    frames = records(result.frames, actions)
-    health = receiver.health or {}
-    answered = [f.first_action_ns for f in frames if f.first_action_ns is not None]
-    startup_s = (answered[0] - node.launched_ns) / 1e9 if node is not None and answered else None
-    meta = RunMeta(drive=str(reader.path),
-                   model=str(health.get("model", config.model.checkpoint or config.model.preset)),
-                   backend=_backend(health, config), control_hz=config.scheduler.control_hz,
-                   deadline_ms=config.scheduler.vision_deadline_ms, health=health,
-                   recipe=str(health.get("recipe", "unknown")), startup_s=startup_s,
-                   head=health.get("head") if isinstance(health.get("head"), str) else None)
-    report = build_report(frames, actions, meta)
-    json_path, html_path = write_report(report, frames, actions, out)
+    report, frames, actions, json_path, html_path = latency_report(str(reader.path), config, result.frames, receiver,
+                                                                   node, out)
     if on_records is not None:
         on_records(frames, actions)
     late = sum(1 for f in frames if f.processed and f.first_action_ns is None)
@@ -375,6 +363,26 @@ def _write_replay_report(reader: DriveReader, config: NodeConfig, result: Stream
     print("; ".join(notes))
     print(f"report: {json_path}\n        {html_path}", flush=True)
     return report, json_path, html_path
+
+
+def latency_report(drive: str, config: NodeConfig, sent: list[SentFrame], receiver: Receiver,
+                   node: NodeProcess | None, out: Path) -> tuple[dict, list[FrameRecord], list, Path, Path]:
+    """The latency report of the actions that answer the frames `sent` (from the first on), written to
+    out/report.json and report.html: (report, frame records, action records, json path, html path)."""
+    first_ns = sent[0].stamp_ns if sent else time.monotonic_ns()
+    actions = [a for a in receiver.actions if a.stamp_ns >= first_ns]
+    frames = records(sent, actions)
+    health = receiver.health or {}
+    answered = [f.first_action_ns for f in frames if f.first_action_ns is not None]
+    startup_s = (answered[0] - node.launched_ns) / 1e9 if node is not None and answered else None
+    meta = RunMeta(drive=drive, model=str(health.get("model", config.model.checkpoint or config.model.preset)),
+                   backend=_backend(health, config), control_hz=config.scheduler.control_hz,
+                   deadline_ms=config.scheduler.vision_deadline_ms, health=health,
+                   recipe=str(health.get("recipe", "unknown")), startup_s=startup_s,
+                   head=health.get("head") if isinstance(health.get("head"), str) else None)
+    report = build_report(frames, actions, meta)
+    json_path, html_path = write_report(report, frames, actions, out)
+    return report, frames, actions, json_path, html_path
 
 
 def _check_commands(path, commands: list[DriveMessage], limits) -> None:
