@@ -199,7 +199,7 @@ def test_a_lane_change_is_skipped_in_the_leftmost_lane_and_times_out():
 def _truth(env: RoadEnv, d: float, speed: float = 20.0, collision: bool = False):
     import dataclasses
 
-    return dataclasses.replace(env.truth(), d=d, speed=speed, collision=collision, t=env.t)
+    return dataclasses.replace(env.truth(), d=d, lane=env.road.lane_of(d), speed=speed, collision=collision, t=env.t)
 
 
 def test_departures_count_once_per_excursion_and_by_speed():
@@ -219,3 +219,24 @@ def test_departures_count_once_per_excursion_and_by_speed():
     assert s["collisions"] == 1
     assert s["lateral_error_max_m"] == pytest.approx(edge + 0.3)
     assert s["instruction_success"] == 0.0  # the keep had departures
+
+
+def test_a_drive_that_starts_with_an_impossible_lane_change_keeps_the_lane():
+    config = SimConfig(seed=2, lanes=2)
+    env = RoadEnv(config, ego_lane=0)
+    giver = InstructionGiver(config, env.road, (Cue(0.0, LEFT),))
+    assert giver.update(env.truth()) == KEEP and giver.goal.lane == 0 and giver.skipped == [Cue(0.0, LEFT)]
+
+
+def test_a_lane_change_that_overshoots_off_the_road_is_no_success():
+    config = SimConfig(seed=0, lanes=2)
+    env = RoadEnv(config, ego_lane=1)
+    giver = InstructionGiver(config, env.road, (Cue(0.0, LEFT),))
+    metrics = DriveMetrics(config, env.road)
+    for d in (-3.6, -2.0, -0.5, 1.5, 3.0):  # crosses into lane 0, then past the road's left edge
+        env.t += env.dt
+        truth = _truth(env, d)
+        giver.update(truth)
+        metrics.record(truth, giver, np.zeros(2))
+    change = metrics.instructions(giver)[0]
+    assert change["instruction"] == LEFT and change["arrived_s"] is not None and not change["success"]

@@ -130,3 +130,49 @@ def test_a_run_resumes_from_its_snapshot_and_refuses_another_runs_folder(trained
     assert resumed["step"] == config.steps + 20
     assert resumed["losses"][: len(state["losses"])] == state["losses"]  # the history is kept, not restarted
     assert resumed["losses"][-1][1] < 1.5 * state["losses"][-1][1]  # the optimizer went on where it was
+
+
+def test_the_state_ring_is_filled_as_the_node_fills_it():
+    """The dataset keeps the newest state first; a batch puts them in ring slots with the newest at a random slot k
+    and each older one in the slot before (mod slots): what the node's ring holds after any number of decisions."""
+    from vla_node.train.trainer import Batches
+
+    model = build_vla(preset("tiny"), seed=0)
+    n, slots = 40, 4
+    history = np.arange(n * slots * 4, dtype=np.float32).reshape(n, slots, 4)  # [n, slots (newest first), 4]
+    data = {"images": np.zeros((n, 32, 32, 3), np.uint8), "instructions": np.zeros(n, np.uint8),
+            "states": history, "chunks": np.zeros((n, 4, 2), np.float32)}
+    batch = Batches(data, Losses(model), seed=0, validation_from=n).take(np.arange(n), np.random.default_rng(1))
+    ring = batch["states"].numpy()
+    newest_slots = set()
+    for i in range(n):
+        k = next(j for j in range(slots) if np.array_equal(ring[i, j], history[i, 0]))
+        newest_slots.add(k)
+        for age in range(slots):
+            assert np.array_equal(ring[i, (k - age) % slots], history[i, age])
+    assert newest_slots == set(range(slots))
+
+
+def test_a_small_model_trains_on_its_four_state_slots():
+    model = build_vla(preset("small"), seed=0)
+    losses = Losses(model)
+    ids, valid = losses.instruction_tokens([KEEP])
+    states = torch.zeros(1, model.config.state_slots, model.config.state_dim)
+    pixels = torch.zeros(1, 1, 3, model.config.image_size, model.config.image_size)
+    loss = losses.bins_loss(ids, valid, pixels, states, torch.zeros(1, 8, 2, dtype=torch.long))
+    assert model.config.state_slots == 4 and torch.isfinite(loss)
+    assert DatasetConfig(state_slots=4).state_slots == 4
+    assert TrainConfig.for_preset("small").dataset().state_slots == 4
+
+
+def test_a_half_swapped_snapshot_is_recovered_and_too_few_episodes_are_refused(tmp_path):
+    from vla_node.train.trainer import _recover_snapshot
+
+    left = tmp_path / "train" / "snapshot.new"
+    left.mkdir(parents=True)
+    (left / "state.json").write_text("{}")
+    (left / "optimizer.safetensors").write_bytes(b"")
+    assert _recover_snapshot(tmp_path / "train") == tmp_path / "train" / "snapshot"
+    assert (tmp_path / "train" / "snapshot" / "state.json").is_file() and not left.exists()
+    with pytest.raises(ConfigError, match=r"episodes = 4: expected more than the 4 held out"):
+        TrainConfig(episodes=4)
