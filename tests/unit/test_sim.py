@@ -228,15 +228,20 @@ def test_a_drive_that_starts_with_an_impossible_lane_change_keeps_the_lane():
     assert giver.update(env.truth()) == KEEP and giver.goal.lane == 0 and giver.skipped == [Cue(0.0, LEFT)]
 
 
-def test_a_lane_change_that_overshoots_off_the_road_is_no_success():
+def test_a_lane_change_with_a_departure_is_no_success_and_an_overshoot_counts_against_the_keep():
     config = SimConfig(seed=0, lanes=2)
-    env = RoadEnv(config, ego_lane=1)
-    giver = InstructionGiver(config, env.road, (Cue(0.0, LEFT),))
-    metrics = DriveMetrics(config, env.road)
-    for d in (-3.6, -2.0, -0.5, 1.5, 3.0):  # crosses into lane 0, then past the road's left edge
-        env.t += env.dt
-        truth = _truth(env, d)
-        giver.update(truth)
-        metrics.record(truth, giver, np.zeros(2))
-    change = metrics.instructions(giver)[0]
-    assert change["instruction"] == LEFT and change["arrived_s"] is not None and not change["success"]
+    for path, change_ok in (((-3.6, -5.0, -2.0, -0.5), False),  # swerves right out of its lane first
+                            ((-3.6, -2.0, -0.5, 1.5, 3.0), True)):  # crosses cleanly, then runs off the left edge
+        env = RoadEnv(config, ego_lane=1)
+        giver = InstructionGiver(config, env.road, (Cue(0.0, LEFT),))
+        metrics = DriveMetrics(config, env.road)
+        for d in path:
+            env.t += env.dt
+            truth = _truth(env, d)
+            giver.update(truth)
+            metrics.record(truth, giver, np.zeros(2))
+        rows = metrics.instructions(giver)
+        assert rows[0]["instruction"] == LEFT and rows[0]["arrived_s"] is not None
+        assert rows[0]["success"] == change_ok
+        if change_ok:
+            assert rows[1]["instruction"] == KEEP and rows[1]["departures"] == 1 and not rows[1]["success"]
