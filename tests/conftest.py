@@ -29,8 +29,8 @@ def drives_dir() -> Path:
     return DRIVES_DIR
 
 
-# A short behaviour-cloning run of the tiny bins policy (about a minute), shared by the unit test that checks it learned
-# and the node test that drives it through a real node.
+# A short behaviour-cloning run of the tiny bins policy (about a minute), shared by the unit tests that check it learned
+# and that it resumes (what a finished run drives: the kept checkpoints, tests/unit/test_checkpoints.py).
 TRAINED_TINY = dict(preset="tiny", action_head="bins", steps=600, episodes=32, save_every=300, warmup_steps=50)
 
 

@@ -244,10 +244,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_drive(args) -> int:
-    from vla_node.drives.closed_loop import drive
+    from vla_node.drives.closed_loop import SIM_CHECKPOINTS, drive
 
-    drive(args.checkpoint, args.launch, overrides=tuple(args.set or ()), progress=not args.no_progress,
-          **given(args, "minutes", "seed", "out_dir"))
+    drive(args.checkpoint or SIM_CHECKPOINTS / "bins", args.launch, overrides=tuple(args.set or ()),
+          progress=not args.no_progress, **given(args, "minutes", "seed", "out_dir"))
     return 0
 
 
@@ -312,7 +312,8 @@ def add_closed_loop_commands(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("drive", help="drive the road simulator with a node in real time (closed loop) and report")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint of `vla-node train`")
+    p.add_argument("--checkpoint", help="a checkpoint of `vla-node train` (default checkpoints/tiny/bins, the "
+                                        "trained one kept with the code)")
     p.add_argument("--launch", help="launch file (default launch/sim.toml)")
     p.add_argument("--minutes", type=float, help="real (= simulated) minutes (default 2)")
     p.add_argument("--seed", type=int, help="the road (default 0)")
@@ -473,7 +474,7 @@ def add_bench_commands(sub) -> None:
                    help="synthetic frames the int8-trt calibration records (default 8)")
     q = bench_parser(bench, "closed-loop", "a trained policy driven by the node under each optimisation, side by side")
     q.add_argument("--checkpoints", help="DIR/bins and DIR/flow (trained there where missing; default "
-                                         "out/closed-loop/checkpoints)")
+                                         "checkpoints/tiny, the trained ones kept with the code)")
     q.add_argument("--minutes", type=float, help="each drive's length (default 1)")
     q.add_argument("--seeds", type=int, nargs="+", help="roads, each driven by every configuration (default 0)")
     q.add_argument("--heads", nargs="+", choices=("bins", "flow"), help="action heads (default both)")

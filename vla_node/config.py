@@ -26,6 +26,7 @@ from vla_node.wire.transport import TransportConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"
+CHECKPOINTS_DIR = REPO_ROOT / "checkpoints"  # trained checkpoints kept with the code (checkpoints/README.md)
 MAX_LAUNCH_BYTES = 1 << 20  # a launch file is a few kB; refuse anything larger before reading it
 
 
@@ -192,9 +193,10 @@ class NodeConfig:
         model = self.model.model_config()
         require(len(self.cameras) == model.num_cameras, "cameras", names,
                 f"{model.num_cameras} camera(s), as many as the model takes")
-        if self.scheduler.fallback_action is not None:
-            require(len(self.scheduler.fallback_action) == model.action_dims, "scheduler.fallback_action",
-                    self.scheduler.fallback_action, f"{model.action_dims} values (the model's action dims)")
+        for key in ("fallback_action", "fallback_hold"):
+            value = getattr(self.scheduler, key)
+            require(value is None or len(value) == model.action_dims, f"scheduler.{key}", value,
+                    f"{model.action_dims} values (the model's action dims)")
         if self.scheduler.smaller_preset is not None:
             choose("scheduler.smaller_preset", self.scheduler.smaller_preset, PRESETS)
         if self.scheduler.min_level is not None:

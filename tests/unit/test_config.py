@@ -41,6 +41,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[transport]\nactions = 'tcp://0.0.0.0:5562'\n", "transport.actions = 'tcp://0.0.0.0:5562'"),
     ("[[cameras]]\nname = 'front'\n[[cameras]]\nname = 'front'\n", "cameras = ['front', 'front']"),
     ("[scheduler]\nfallback_action = [0.0]\n", "scheduler.fallback_action = (0.0,): expected 2 values"),
+    ("[scheduler]\nfallback_hold = [true]\n", "scheduler.fallback_hold = (True,): expected 2 values"),
+    ("[scheduler]\nfallback_hold = [1, 0]\n", "scheduler.fallback_hold[0] = 1: expected true or false"),
     ("[model]\ndevice = 'tpu'\n", "model.device = 'tpu'"),
     ("[model]\npreset = 'tiny'\ninstruction = 'keep the lane and follow traffic'\n",
      "model.instruction = 'keep the lane and follow traffic': expected at most 23 UTF-8 bytes"),

@@ -532,6 +532,26 @@ def test_broker_fresh_then_chunk_steps_then_fallback():
     assert broker.ticks == {TickStatus.FRESH: 1, TickStatus.CHUNK: 3, TickStatus.FALLBACK: 2}
 
 
+def test_a_held_dimension_keeps_the_last_action_played_through_fallback():
+    """Steering held, accel from the safe action: before any chunk the safe action's own value; after a chunk, its
+    last step played, also once a newer chunk was withdrawn unplayed (what the car last did, not what was decoded)."""
+    broker = make_broker(fallback_action=(0.0, -0.5), fallback_hold=(True, False))
+    np.testing.assert_array_equal(broker.next(T0).action, [0.0, -0.5])
+    chunk = chunk_of(1.0)
+    broker.offer(chunk, 1, T0 - 10 * MS, T0, 0)
+    for k in range(3):  # steps 0..2 played
+        broker.next(T0 + k * PERIOD + MS)
+    out = broker.next(T0 + 5 * PERIOD)
+    assert out.status is TickStatus.FALLBACK
+    np.testing.assert_array_equal(out.action, [chunk[2, 0], -0.5])
+    broker.offer(chunk_of(9.0), 2, T0 + 5 * PERIOD, T0 + 5 * PERIOD + MS, 0)
+    broker.withdraw(level=6)
+    np.testing.assert_array_equal(broker.next(T0 + 6 * PERIOD).action, [chunk[2, 0], -0.5])
+    assert broker.fallback_hold == [True, False] and make_broker().fallback_hold == [False, False]
+    with pytest.raises(ValueError, match=r"fallback_hold = \[1, 0\]: expected 2 booleans"):
+        make_broker(fallback_hold=[1, 0])
+
+
 def test_broker_step_follows_elapsed_periods_across_skipped_ticks():
     broker = make_broker()
     broker.offer(chunk_of(0.0), 1, T0 - 10 * MS, T0, 0)

@@ -4,9 +4,9 @@ similarity on real footage says about the same configuration.
     vla-node bench closed-loop [--checkpoints DIR] [--minutes 1] [--seeds 0] [--heads bins flow] [--only NAME ...]
                                [--json PATH]
 
-For each action head a trained tiny checkpoint (DIR/bins, DIR/flow; trained there with `vla-node train`'s defaults
-where missing) is driven by the real node (`vla-node drive`: the simulator over ZeroMQ in real time) under each
-configuration, each a set of `--set` changes to launch/sim.toml:
+For each action head a trained tiny checkpoint (DIR/bins, DIR/flow; default checkpoints/tiny, kept with the code;
+trained there with `vla-node train`'s defaults where missing) is driven by the real node (`vla-node drive`: the
+simulator over ZeroMQ in real time) under each configuration, each a set of `--set` changes to launch/sim.toml:
 
     reference          every optimisation off: fp32 compute and weights, fp32 text/vision/action partitions, no
                        reuse (threshold 0), the eager torch backend
@@ -172,14 +172,14 @@ def _aggregate(drives: list[dict]) -> dict:
 def run(json_path: str | None = None, checkpoints: str | None = None, minutes: float = 1.0,
         seeds: tuple[int, ...] = (0,), heads: tuple[str, ...] = ("bins", "flow"), only: tuple[str, ...] = (),
         out_dir: str | None = None, progress: bool = True) -> dict:
-    from vla_node.drives.closed_loop import SIM_LAUNCH, finite
+    from vla_node.drives.closed_loop import SIM_CHECKPOINTS, SIM_LAUNCH, finite
 
     require(all(h in ("bins", "flow") for h in heads) and heads, "heads", heads, "bins and/or flow")
     require(minutes > 0, "minutes", minutes, "a number of minutes > 0")
     known = {s.name for head in heads for s in settings(head, _inference_levels(head), "calib")}
     unknown = sorted(set(only) - known)
     require(not unknown, "--only", unknown, f"configurations among {sorted(known)}")
-    root = Path(checkpoints) if checkpoints else Path("out/closed-loop/checkpoints")
+    root = Path(checkpoints) if checkpoints else SIM_CHECKPOINTS
     work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="vla-closed-loop-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import numpy as np
 
-from vla_node.config import LAUNCH_DIR
+from vla_node.config import CHECKPOINTS_DIR, LAUNCH_DIR
 from vla_node.drives.replay import SentFrame, _addresses, _drain, _handshake, _stop_node, latency_report
 from vla_node.drives.replay_threads import Receiver
 from vla_node.node.process import NodeProcess
@@ -43,6 +43,7 @@ from vla_node.validate import ConfigError, is_number, require
 from vla_node.wire.transport import Client
 
 SIM_LAUNCH = LAUNCH_DIR / "sim.toml"
+SIM_CHECKPOINTS = CHECKPOINTS_DIR / "tiny"  # bins/ and flow/: `vla-node train --preset tiny`'s, kept with the code
 WARMUP_TIMEOUT_S = 300.0
 LATENCY_KEYS = ("frames_sent", "frames_processed", "frames_dropped", "latency_ms", "control_jitter_ms",
                 "deadline_misses", "status_counts", "degrade_levels", "vision_reuse_ratio", "startup_s")

@@ -47,6 +47,7 @@ class PublisherSpec:
     late_after_ns: int         # ChunkBroker settings
     max_age_ns: int
     fallback_action: list
+    fallback_hold: list
     health_period_ns: int
     camera_timeout_ns: int     # the worker's figures older than this: no camera is known alive
     started_ns: int            # the node's start (uptime_s)
@@ -60,7 +61,7 @@ class PublisherSpec:
         rt = config.realtime
         return cls(transport=asdict(config.transport), period_ns=broker.period_ns, horizon=broker.horizon,
                    dim=broker.dim, late_after_ns=broker.late_after_ns, max_age_ns=broker.max_age_ns,
-                   fallback_action=broker.fallback_action.tolist(),
+                   fallback_action=broker.fallback_action.tolist(), fallback_hold=broker.fallback_hold,
                    health_period_ns=int(config.health.period_s * 1e9),
                    camera_timeout_ns=int(config.health.camera_timeout_ms * 1e6), started_ns=started_ns,
                    cpu_affinity=list(rt.cpu_affinity), sched_fifo_priority=rt.sched_fifo_priority,
@@ -79,7 +80,8 @@ class Publisher:
     def __init__(self, spec: PublisherSpec, link: socket.socket, transport: NodeTransport | None = None) -> None:
         self.spec = spec
         self.broker = ChunkBroker(spec.horizon, spec.dim, period_ns=spec.period_ns, late_after_ns=spec.late_after_ns,
-                                  max_age_ns=spec.max_age_ns, fallback_action=spec.fallback_action)
+                                  max_age_ns=spec.max_age_ns, fallback_action=spec.fallback_action,
+                                  fallback_hold=spec.fallback_hold)
         self.transport = transport or NodeTransport(TransportConfig(**spec.transport), inputs=False)
         self.link = link
         link.setblocking(False)  # read_link drains what select says is there

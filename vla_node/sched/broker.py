@@ -6,7 +6,8 @@ The inference worker `offer`s each action chunk
     fresh     the first tick after a chunk was offered on time: action = chunk[0]
     chunk     later ticks: action = chunk[step], step = elapsed control periods since the chunk was produced
     fallback  no chunk yet, the chunk is exhausted or older than its max age, or the worker withdrew it:
-              the configured safe action
+              the configured safe action; a dimension in `fallback_hold` keeps the last action played instead
+              (steering held through a curve while the safe action brakes)
 
 A chunk produced after its frame's deadline is never `fresh`: its first tick is already `chunk`.
 
@@ -74,10 +75,12 @@ class ChunkBroker:
     horizon, dim: chunk shape [H, D]. period_ns: control period. late_after_ns: a chunk produced more than
     this after its frame's capture stamp is late (the vision deadline) unless `offer` is given the frame's own
     deadline. max_age_ns: how long after production a chunk may be played (default H periods).
-    fallback_action: [D] safe action (default zeros)."""
+    fallback_action: [D] safe action (default zeros). fallback_hold: [D] bools, the dimensions that hold the last
+    action played (before any: the safe action's value) instead of the safe action's (default none)."""
 
     def __init__(self, horizon: int, dim: int, *, period_ns: int, late_after_ns: int, max_age_ns: int | None = None,
-                 fallback_action: Sequence[float] | np.ndarray | None = None, dtype: type = np.float32) -> None:
+                 fallback_action: Sequence[float] | np.ndarray | None = None,
+                 fallback_hold: Sequence[bool] | None = None, dtype: type = np.float32) -> None:
         _check_positive("horizon", horizon)
         _check_positive("dim", dim)
         _check_positive("period_ns", period_ns)
@@ -93,6 +96,13 @@ class ChunkBroker:
         if fallback.shape != (self.dim,) or not np.isfinite(fallback).all():
             raise ValueError(f"fallback_action = {fallback_action!r}: expected {self.dim} finite numbers")
         self._fallback = _read_only(fallback)
+        hold = np.zeros(self.dim, bool) if fallback_hold is None else np.array(fallback_hold)
+        if hold.shape != (self.dim,) or hold.dtype != bool:
+            raise ValueError(f"fallback_hold = {fallback_hold!r}: expected {self.dim} booleans")
+        self._hold = hold if hold.any() else None
+        self._played = fallback.copy()      # [D] the last action played (held dimensions)
+        self._fallback_held = fallback.copy()  # [D] the fallback with its held dimensions filled in
+        self._fallback_held_view = _read_only(self._fallback_held)
         self._buffers = np.zeros((_SLOTS, self.horizon, self.dim), dtype)  # [slot, H, D]
         self._chunks = tuple(_read_only(self._buffers[slot]) for slot in range(_SLOTS))
         self._rows = tuple(tuple(_read_only(self._buffers[slot, step]) for step in range(self.horizon))
@@ -125,6 +135,11 @@ class ChunkBroker:
     def fallback_action(self) -> np.ndarray:
         """The safe action [D] (read-only)."""
         return self._fallback
+
+    @property
+    def fallback_hold(self) -> list[bool]:
+        """Per dimension: whether the fallback holds the last action played there."""
+        return [False] * self.dim if self._hold is None else self._hold.tolist()
 
     def offer(self, chunk: np.ndarray, frame_seq: int, frame_stamp_ns: int, produced_ns: int, level: int,
               timing_ms: Mapping[str, float] | None = None, deadline_ns: int | None = None,
@@ -208,9 +223,15 @@ class ChunkBroker:
             self.ticks[status] += 1
             if status is TickStatus.FALLBACK:
                 self._reader = None
-                return TickOutput(status, self._fallback, None, None, self._frame_seq, self._frame_stamp_ns,
+                action = self._fallback
+                if self._hold is not None:
+                    np.copyto(self._fallback_held, self._played, where=self._hold)
+                    action = self._fallback_held_view
+                return TickOutput(status, action, None, None, self._frame_seq, self._frame_stamp_ns,
                                   self._level, self._timing_ms, self._tokens_refreshed, self._reuse_ratio)
             self._reader = slot
+            if self._hold is not None:
+                np.copyto(self._played, self._rows[slot][step])
             return TickOutput(status, self._rows[slot][step], self._chunks[slot], step, self._frame_seq,
                               self._frame_stamp_ns, self._level, self._timing_ms, self._tokens_refreshed,
                               self._reuse_ratio, self._denoising_steps)

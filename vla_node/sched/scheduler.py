@@ -99,6 +99,8 @@ class SchedulerConfig:
     recover_slack: float = 0.3                 # fraction of the budget that must be left to count as ok
     chunk_max_age_ms: float | None = None      # how long a chunk may be played out; None: H control periods
     fallback_action: tuple[float, ...] | None = None  # the safe action; None: zeros
+    fallback_hold: tuple[bool, ...] | None = None      # per action dim: hold the last action played instead of the
+                                                       # safe action's value (e.g. steering through a curve); None: none
     ladder: tuple[str, ...] = LADDER_STEPS
     reuse_threshold_scales: tuple[float, ...] = (2.0, 4.0)
     refresh_fractions: tuple[float, ...] = (0.5, 0.25)
@@ -135,6 +137,9 @@ class SchedulerConfig:
         require(self.fallback_action is None or (isinstance(self.fallback_action, tuple) and self.fallback_action
                                                  and all(is_number(v) for v in self.fallback_action)),
                 "fallback_action", self.fallback_action, "None or a non-empty tuple of finite numbers")
+        require(self.fallback_hold is None or (isinstance(self.fallback_hold, tuple) and self.fallback_hold
+                                               and all(isinstance(v, bool) for v in self.fallback_hold)),
+                "fallback_hold", self.fallback_hold, "None or a non-empty tuple of booleans")
         require(isinstance(self.ladder, tuple), "ladder", self.ladder, f"a tuple of steps from {list(LADDER_STEPS)}")
         check_ladder("ladder", self.ladder)
         scales = self.reuse_threshold_scales
@@ -173,7 +178,8 @@ class SchedulerConfig:
         """The chunk broker these settings ask for, for chunks [horizon, dim]."""
         max_age = None if self.chunk_max_age_ms is None else int(round(self.chunk_max_age_ms * 1e6))
         return ChunkBroker(horizon, dim, period_ns=self.period_ns, late_after_ns=int(round(self.vision_deadline_ms * 1e6)),
-                           max_age_ns=max_age, fallback_action=self.fallback_action, dtype=dtype)
+                           max_age_ns=max_age, fallback_action=self.fallback_action,
+                           fallback_hold=self.fallback_hold, dtype=dtype)
 
 
 @dataclass(frozen=True)
