@@ -17,21 +17,22 @@ from vla_node.validate import ConfigError
 
 
 def test_a_trained_policy_drives_through_the_node_and_both_reports_are_written(tmp_path):
-    result = drive(SIM_CHECKPOINTS / "bins", SIM_LAUNCH, minutes=0.4, seed=2, out_dir=tmp_path, progress=False,
-                   cues=(Cue(0.0, KEEP), Cue(12.0, LEFT)))
-    assert not result["left_road"] and result["seconds"] == pytest.approx(24.0, abs=0.05)
+    result = drive(SIM_CHECKPOINTS / "bins", SIM_LAUNCH, minutes=0.3, seed=2, out_dir=tmp_path, progress=False,
+                   cues=(Cue(0.0, KEEP), Cue(9.0, LEFT)))
+    assert not result["left_road"] and result["seconds"] == pytest.approx(18.0, abs=0.05)
     assert result["lateral_error_mean_m"] < 0.5
     statuses = result["latency"]["status_counts"]
     assert statuses["fresh"] > 100 and result["latency"]["frames_processed"] > 200  # the node drove it
+    assert result["lane_departures"] == 0 and result["instructions"][1]["success"]  # changed lane, in the new one
     assert [r["instruction"] for r in result["instructions"]][:2] == [KEEP, LEFT]
     saved = json.loads((tmp_path / "drive.json").read_text())
-    assert saved["lane_departures"] == result["lane_departures"] and len(saved["trace"]["x"]) > 200
+    assert saved["lane_departures"] == result["lane_departures"] and len(saved["trace"]["x"]) > 170  # 10 Hz
     assert saved["geometry"]["lanes"] >= 2 and saved["overrides"][0].startswith("model.checkpoint=")
     page = (tmp_path / "drive.html").read_text()
     for plot in ("plot-birds-eye", "plot-along-road", "plot-speed", "plot-actions"):
         assert f'id="{plot}"' in page
     latency = load_report(tmp_path / "report.json")  # the replay's latency report, validated on load
-    assert latency["frames_sent"] == result["latency"]["frames_sent"] >= 590
+    assert latency["frames_sent"] == result["latency"]["frames_sent"] >= 440
     assert latency["deadline_misses"] == result["latency"]["deadline_misses"]
 
 
@@ -58,7 +59,7 @@ def test_the_closed_loop_bench_drives_each_configuration_and_measures_it_offline
     from vla_node.bench import closed_loop
 
     result = closed_loop.run(json_path=str(tmp_path / "closed.json"),
-                             minutes=0.1, heads=("bins",), only=("reference", "level: skip_vision"),
+                             minutes=0.05, heads=("bins",), only=("reference", "level: skip_vision"),
                              out_dir=str(tmp_path / "work"), progress=False)
     rows = {r["name"]: r for r in result["heads"]["bins"]["configurations"]}
     assert list(rows) == ["reference", "level: skip_vision"]

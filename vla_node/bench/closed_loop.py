@@ -17,7 +17,9 @@ simulator over ZeroMQ in real time) under each configuration, each a set of `--s
                        threshold, each engine recipe (ONNX Runtime fp32, int8-ort, int8-trt calibrated on simulator
                        frames)
     level: <name>      the defaults with the scheduler held at that degrade level (scheduler.min_level): each level
-                       that runs inference, fewer denoising steps among them for the flow head
+                       that runs inference; levels accumulate (a cap level keeps the raised threshold, fewer
+                       denoising steps keep the cap: sched/ladder.py)
+    denoising_<n>      (flow) the reference with only fewer Euler steps: a ladder of that step alone, held there
     rtc                (flow) the defaults with real-time chunking on (off in the defaults)
     delay              the defaults with a stage delay (the test-only fault file: vision and action far past their
                        deadlines) from a fifth of the drive on: the scheduler goes to chunk, then fallback
@@ -51,6 +53,7 @@ REFERENCE = ("model.dtype=fp32", "model.weights=fp32", "model.backend=torch", "c
              "scheduler.real_time_chunking=false")
 DELAY_FAULTS = "vision 400\naction 200\n"  # far past sim.toml's 120 ms vision and 60 ms action deadlines
 DELAY_FROM = 0.2  # of the drive
+DENOISING_ONLY = 'scheduler.ladder=["fewer_denoising_steps", "chunk", "fallback"]'
 FIGURES = ("lateral_error_mean_m", "lateral_error_max_m", "lane_departures", "departures_at_speed", "collisions",
            "instruction_success", "speed_error_mean_mps", "final_speed_mps")  # per configuration (sim.metrics)
 OFFLINE_FRAMES_PER_CLIP = 24
@@ -84,6 +87,10 @@ def settings(head: str, level_names: list[str], calibration: str) -> list[Settin
               ("engine_int8_trt", "the int8-trt recipe (symmetric Q/DQ, calibrated) on ONNX Runtime",
                ("model.backend=onnxruntime", "model.recipe=int8-trt", f"model.calibration={calibration}"))]
     out += [Setting(name, what, REFERENCE + changes) for name, what, changes in alone]
+    if head == "flow":  # the fewer_denoising_steps level alone: a ladder of that step only, held at its level
+        out += [Setting(f"denoising_{n}", f"{n} Euler steps a tick", REFERENCE + (
+            DENOISING_ONLY, f"scheduler.min_level=fewer_denoising_steps {n}"), f"fewer_denoising_steps {n}")
+            for n in _denoising_levels()]
     out += [Setting(f"level: {name}", f"held at degrade level {name!r}", (f"scheduler.min_level={name}",), name)
             for name in level_names[1:]]
     if head == "flow":
@@ -100,6 +107,13 @@ def _levels(head: str, checkpoint: Path | None = None) -> dict:
 
     model = (f"model.checkpoint={checkpoint}",) if checkpoint else ("model.preset=tiny", f"model.action_head={head}")
     return {level.name: level for level in node_levels(load_launch(SIM_LAUNCH, model))}
+
+
+def _denoising_levels() -> tuple[int, ...]:
+    from vla_node.config import load_launch
+    from vla_node.drives.closed_loop import SIM_LAUNCH
+
+    return load_launch(SIM_LAUNCH, ("model.preset=tiny",)).scheduler.denoising_steps
 
 
 def _inference_levels(head: str, checkpoint: Path | None = None) -> list[str]:
@@ -205,13 +219,12 @@ def _head(head: str, checkpoint: Path, chosen: list[Setting], minutes: float, se
           offline_frames: list[np.ndarray], progress: bool) -> list[dict]:
     """Every chosen configuration of one head: its drives (one per seed) and its offline deviation."""
     from vla_node.bench.offline_deviation import offline_deviation
-    from vla_node.config import load_launch
+    from vla_node.config import load_launch, node_levels
     from vla_node.drives.closed_loop import SIM_LAUNCH
     from vla_node.sched.ladder import Knobs
 
     if any("model.recipe=int8-trt" in s.overrides for s in chosen):
         _calibrate(work / head / "calib", SIM_LAUNCH, checkpoint)
-    levels = _levels(head, checkpoint)
     rows = []
     for index, setting in enumerate(chosen):
         print(f"bench closed-loop: {head} {index + 1}/{len(chosen)} {setting.name}", flush=True)
@@ -222,6 +235,7 @@ def _head(head: str, checkpoint: Path, chosen: list[Setting], minutes: float, se
         row["offline"] = None
         if setting.offline:
             config = load_launch(SIM_LAUNCH, (f"model.checkpoint={checkpoint}",) + overrides)
+            levels = {level.name: level for level in node_levels(config)}  # this configuration's own ladder
             knobs = levels[setting.level].knobs if setting.level else Knobs()
             row["offline"] = offline_deviation(config, offline_frames, knobs)
         rows.append(row)

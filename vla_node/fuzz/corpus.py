@@ -322,6 +322,7 @@ layer_budget = 1.5
 [scheduler]
 chunk_max_age_ms = 100.0
 fallback_action = [0.0, -0.5]
+fallback_hold = [true, false]
 smaller_preset = "tiny"
 
 [[cameras]]

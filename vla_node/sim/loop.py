@@ -29,7 +29,7 @@ class DriveResult:
 
 
 def drive_in_process(env: RoadEnv, giver: InstructionGiver, policy: Policy, seconds: float,
-                     fallback_action=(0.0, -0.5)) -> DriveResult:
+                     fallback_action=(0.0, -1.0)) -> DriveResult:
     """Drive `seconds` of simulated time (or until the car leaves the road)."""
     config = env.config
     fallback = np.asarray(fallback_action, np.float32)
