@@ -38,7 +38,8 @@ def test_a_trained_policy_drives_through_the_node_and_both_reports_are_written(t
 
 def test_a_delay_forces_chunk_then_fallback_and_the_car_stops_in_its_lane(tmp_path):
     """On road 0's curve: sim.toml's fallback brakes holding the last steering played (scheduler.fallback_hold);
-    with the wheels straight instead (fallback_hold = [false, false]) the car leaves the road at 13.8 s, at 6 m/s."""
+    with the wheels straight instead (fallback_hold = [false, false]) the car departs its lane at speed, 2.2 m off
+    (at half the brake it left the road at 13.8 s, at 6 m/s)."""
     faults = tmp_path / "faults.txt"
     result = drive(SIM_CHECKPOINTS / "bins", SIM_LAUNCH, minutes=0.35, seed=0, out_dir=tmp_path, progress=False,
                    cues=(Cue(0.0, KEEP),), env={FAULT_FILE_ENV: str(faults)},
