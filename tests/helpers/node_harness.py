@@ -180,7 +180,9 @@ class NodeUnderTest:
                 return
             except TimeoutError as e:
                 if time.monotonic() >= deadline:
-                    raise AssertionError(f"{e}\n--- node log ---\n{self.process.log_tail()}") from None
+                    links = [h.get("transport") for h in self.queued_health()[-1:]]  # what the node's inputs did
+                    raise AssertionError(f"{e}\nnode health transport: {links}\n--- node log ---\n"
+                                         f"{self.process.log_tail()}") from None
 
     def check_alive(self, when: str = "") -> None:
         if not self.process.alive():

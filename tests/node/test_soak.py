@@ -1,6 +1,9 @@
 """A one-minute soak of the node (tiny preset, the two default cameras at their real sizes: 1920x1080 and 640x480
-rgb8 at 30 fps each, the state at 10 Hz): RSS flat after warm-up, no tick missed, every frame and state accounted
-for. Jitter is not asserted: wall-clock figures are the benchmark's (`vla-node bench soak`), on a quiet machine."""
+rgb8 at 30 fps each, the state at 10 Hz): RSS flat after warm-up, every tick published or counted as missed, every
+frame and state accounted for. Jitter and a zero of missed ticks are not asserted: they are wall-clock figures, the
+benchmark's (`vla-node bench soak`, target 0 missed) on a quiet machine. A shared 2-vCPU CI machine once stalled the
+publisher past a whole 20 ms period (1 tick of 3000 missed, counted by the node and seen in the stamps), so the test
+allows 0.1% of the ticks skipped, and none published and lost."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ def test_one_minute_soak(tmp_path):
     rss, counters, client = result["rss"], result["counters"], result["client"]
     assert rss["samples"] >= 100 and rss["growth_pct"] is not None  # health every 0.5 s in tiny.toml
     assert rss["growth_pct"] < 5.0, f"RSS grew after warm-up:\n{table}\n{rss['series_s_mb']}"
-    assert result["missed_ticks"] == 0, f"{result['ticks']}\n{table}\nnode log:\n{log}"
+    ticks = result["ticks"]
+    assert ticks["lost_seq_gaps"] == 0, ticks  # every tick published arrived
+    assert result["missed_ticks"] <= 0.001 * ticks["expected"], f"{ticks}\n{table}\nnode log:\n{log}"
     assert result["ticks"]["received"] >= 0.95 * 60 * 50, table
     assert counters["reconciled"], f"{counters['mismatches']}\n{table}"
     for name, cam in client["cameras"].items():  # each camera sent at (nearly) its 30 fps

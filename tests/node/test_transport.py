@@ -28,7 +28,7 @@ from vla_node.wire.protocol import (
     encode_action,
     encode_health,
 )
-from vla_node.wire.transport import OTHER_TOPICS, Client, NodeTransport, TransportConfig
+from vla_node.wire.transport import HANDSHAKE_TIMEOUT_MS, OTHER_TOPICS, Client, NodeTransport, TransportConfig
 
 CAMERAS = {"front": CameraSpec("front"), "wrist": CameraSpec("wrist")}
 IMAGE = (np.arange(24 * 32 * 3) % 251).astype(np.uint8).reshape(24, 32, 3)  # (H, W, 3)
@@ -467,6 +467,40 @@ def test_a_failed_curve_handshake_does_not_cut_the_node_off(keys_dir: Path) -> N
             wait_readable(node)
             latest, _ = node.drain_frames()
             assert decode_frame(latest[b"frame/front"], CAMERAS).seq == 7
+            node.poll(0)
+            assert node.input_links() == {"frames": "connected", "commands": "connected"}
+
+
+def test_a_stalled_handshake_is_dropped_and_tried_again(keys_dir: Path) -> None:
+    """A peer that accepts the node's connection and never greets holds it in its handshake: after
+    HANDSHAKE_TIMEOUT_MS the node drops it and connects again (libzmq's default would wait 30 s), and health's
+    input_links say what each input connection last did."""
+    ports = free_tcp_ports(4)
+    config = TransportConfig(*(f"tcp://127.0.0.1:{p}" for p in ports), curve_keys_dir=str(keys_dir))
+    silent = socket.create_server(("127.0.0.1", ports[0]))  # the frame address; the command one has nobody
+    silent.settimeout(0.05)
+    accepted: list[tuple[float, socket.socket]] = []
+    try:
+        with NodeTransport(config) as node:
+            deadline = time.monotonic() + 3 * HANDSHAKE_TIMEOUT_MS / 1000
+            while len(accepted) < 2 and time.monotonic() < deadline:
+                node.poll(10)
+                try:
+                    accepted.append((time.monotonic(), silent.accept()[0]))
+                except TimeoutError:
+                    continue
+            links = node.input_links()
+            assert links["commands"] == "retrying (nobody bound there)", links
+        assert len(accepted) == 2, f"the node did not connect again within {3 * HANDSHAKE_TIMEOUT_MS} ms"
+        gap_s = accepted[1][0] - accepted[0][0]
+        assert HANDSHAKE_TIMEOUT_MS / 1000 - 0.5 <= gap_s <= 2 * HANDSHAKE_TIMEOUT_MS / 1000, gap_s
+        first = accepted[0][1]
+        first.settimeout(1.0)
+        assert first.recv(1 << 16) != b"" and first.recv(1 << 16) == b""  # the node's greeting, then it hung up
+    finally:
+        for _, peer in accepted:
+            peer.close()
+        silent.close()
 
 
 def test_curve_missing_keys_is_a_config_error(tmp_path: Path) -> None:

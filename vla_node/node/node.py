@@ -138,6 +138,6 @@ class Node:
             **ingest,
             "instruction": pipeline.instruction,
             "kv_bytes": pipeline.policy.kv_bytes(),
-            "reconnects": self.transport.reconnects,
+            "reconnects": self.transport.reconnects, "input_links": self.transport.input_links(),
             "rss_bytes": rss_bytes(),
         }

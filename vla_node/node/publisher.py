@@ -187,7 +187,7 @@ class Publisher:
         timeout (a stalled worker) say no camera is alive: nothing is known to arrive."""
         worker, worker_ns = self.broker.status()
         worker = dict(worker or {})
-        reconnects = worker.pop("reconnects", 0)
+        reconnects, input_links = worker.pop("reconnects", 0), worker.pop("input_links", {})
         if worker_ns and now - worker_ns > self.spec.camera_timeout_ns:
             worker["cameras"] = {name: {**cam, "alive": False, "rate_ok": False}
                                  for name, cam in worker.get("cameras", {}).items()}
@@ -199,7 +199,8 @@ class Publisher:
                         "max_jitter_ms": round(clock.max_jitter_ns / 1e6, 3),
                         "status_counts": {s.value: n for s, n in self.broker.ticks.items()}},
             "publisher_rss_bytes": rss_bytes(),
-            "transport": {"reconnects": reconnects, "publish_dropped": self.transport.publish_dropped},
+            "transport": {"reconnects": reconnects, "input_links": input_links,
+                          "publish_dropped": self.transport.publish_dropped},
             **(self.static or {}),
         }
 

@@ -120,6 +120,19 @@ _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 OTHER_TOPICS = b"frame/"  # drain_frame_messages' one group for the topics of cameras not configured
 GIVEN_UP_AFTER_NS = 500_000_000  # disconnected this long without a retry: libzmq gave the endpoint up
 RECONNECT_AFTER_NS = 100_000_000  # at most one reconnect per socket per 100 ms (libzmq's own reconnect interval)
+# ZMQ_HANDSHAKE_IVL: a connection whose handshake (CURVE's ZAP round included) has not finished by then is dropped,
+# and a connecting socket tries again (libzmq's default, 30 s, let one stalled handshake cut a node off that long)
+HANDSHAKE_TIMEOUT_MS = 5_000
+# what the last monitor event says of a watched input connection (the node's health shows it per socket)
+_LINK_STATES = {
+    zmq.EVENT_CONNECT_RETRIED: "retrying (nobody bound there)",
+    zmq.EVENT_CONNECTED: "handshaking",
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "connected",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed (the peer hung up or timed out)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: a peer without CURVE?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused (the peer's key is not allowed)",
+    zmq.EVENT_DISCONNECTED: "disconnected",
+}
 
 
 def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
@@ -127,6 +140,7 @@ def _configure(sock: zmq.Socket, config: TransportConfig, address: str) -> None:
     sock.setsockopt(zmq.RCVHWM, config.rcv_hwm)
     sock.setsockopt(zmq.SNDHWM, config.snd_hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
     if address.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
 
@@ -148,9 +162,12 @@ class _HandshakeWatch:
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
-        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                               | zmq.EVENT_CONNECTED)
+        mask = 0
+        for event in _LINK_STATES:
+            mask |= event
+        self.monitor = sock.get_monitor_socket(mask)
         self.monitor.setsockopt(zmq.LINGER, 0)
+        self.state = "connecting"  # _LINK_STATES' words for the last event
         self.failed = False
         self.dropped_ns: int | None = None  # disconnected at, with no retry or connection seen since
         self.next_ns = 0  # no reconnect before this (monotonic ns)
@@ -159,12 +176,13 @@ class _HandshakeWatch:
         """Read the monitor's events; True when the socket was connected again."""
         while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no exception per call in the node's loop
             event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")  # [event id + value, endpoint]
+            self.state = _LINK_STATES.get(event, self.state)
             if event == _HANDSHAKE_FAILED:
                 self.failed = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self.dropped_ns = now_ns
-            else:  # connected again, or libzmq retrying by itself (a peer that went away)
-                self.dropped_ns = None
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_CONNECT_RETRIED):  # connected again, or libzmq retrying
+                self.dropped_ns = None                                        # by itself (a peer that went away)
         if self.dropped_ns is not None and now_ns - self.dropped_ns >= GIVEN_UP_AFTER_NS:
             self.failed, self.dropped_ns = True, None  # a protocol error (a part past ZMQ_MAXMSGSIZE): no retry
         if not self.failed or now_ns < self.next_ns:
@@ -267,6 +285,10 @@ class NodeTransport:
                     log.warning("the connection to %s failed (a CURVE handshake, or a message past "
                                 "max_message_bytes): connected again", watched.address)
         return ready
+
+    def input_links(self) -> dict[str, str]:
+        """What the last event says of each input connection, by address key: {'frames': 'connected', ...}."""
+        return dict(zip(("frames", "commands"), (watched.state for watched in self._watched)))
 
     def drain_frame_messages(self, topics: Collection[bytes] | None = None, max_messages: int = 1000, keep: int = 3
                              ) -> dict[bytes, tuple[list[list[zmq.Frame]], int]]:
