@@ -21,6 +21,7 @@ from vla_node.runtime.reuse import ReuseConfig
 from vla_node.sched.ladder import Level
 from vla_node.sched.scheduler import SchedulerConfig, check_min_level, scheduler_levels
 from vla_node.validate import ConfigError, choose, from_dict, is_number, require
+from vla_node.wire.openpi import OpenpiConfig
 from vla_node.wire.protocol import CameraSpec, ProtocolLimits
 from vla_node.wire.transport import TransportConfig
 
@@ -186,10 +187,15 @@ class NodeConfig:
     cameras: tuple[CameraSpec, ...] = (CameraSpec(),)
     health: HealthConfig = field(default_factory=HealthConfig)
     realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
+    openpi: OpenpiConfig = field(default_factory=OpenpiConfig)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.cameras]
         require(len(names) >= 1 and len(set(names)) == len(names), "cameras", names, "one or more distinct names")
+        if self.openpi.listen is not None:
+            unknown = [camera for _, camera in self.openpi.images if camera not in names]
+            require(not unknown, "openpi.images", [list(p) for p in self.openpi.images],
+                    f"cameras among {names} (unknown: {unknown})")
         model = self.model.model_config()
         require(len(self.cameras) == model.num_cameras, "cameras", names,
                 f"{model.num_cameras} camera(s), as many as the model takes")

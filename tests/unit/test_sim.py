@@ -19,7 +19,6 @@ from vla_node.sim.traffic import Vehicle
 from vla_node.sim.vehicle import VehicleConfig, VehicleState, check_action, step_vehicle
 from vla_node.validate import ConfigError
 
-
 # -- road ---------------------------------------------------------------------------------------------------
 
 

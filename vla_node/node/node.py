@@ -30,6 +30,7 @@ from vla_node.node.publisher import PublisherSpec
 from vla_node.node.publisher_link import PublisherLink
 from vla_node.node.realtime import apply_affinity, lower_thread_priority, rss_bytes
 from vla_node.node.signals import SignalFlag
+from vla_node.wire.openpi_server import OpenpiModel, OpenpiServer
 from vla_node.wire.protocol import FRAME_TOPIC_PREFIX
 from vla_node.wire.transport import NodeTransport
 
@@ -55,14 +56,23 @@ class Node:
         # Then lowered before the input sockets' context starts its I/O thread, which inherits it: receiving a
         # 1920x1080 frame (6 MB copied) must not delay a tick any more than inference may.
         lower_thread_priority(config.realtime.worker_nice)
+        self.openpi: OpenpiServer | None = None  # openpi's websocket protocol beside ZeroMQ ([openpi] listen)
         try:
             self.pipeline = Pipeline(config, clock, broker=self.publisher)
             self.backend = self.pipeline.backend
             self.ingest = Ingest(config.cameras, config.limits, c.state_dim, c.max_text_tokens - 1)
             self.frame_topics = frozenset(FRAME_TOPIC_PREFIX + cam.name.encode() for cam in config.cameras)
-            self.transport = NodeTransport(config.transport, outputs=False)
+            if config.openpi.listen is not None:  # before the SUBs: they connect to its inputs too
+                self.openpi = OpenpiServer(config.openpi, config.transport, OpenpiModel(
+                    cameras={cam.name: (cam.max_height, cam.max_width) for cam in config.cameras},
+                    horizon=c.action_horizon, dim=c.action_dims, state_dim=c.state_dim,
+                    max_prompt_bytes=c.max_text_tokens - 1, control_hz=config.scheduler.control_hz))
+            self.transport = NodeTransport(config.transport, outputs=False,
+                                           also_from=None if self.openpi is None else self.openpi.inputs)
         except BaseException:
             self.publisher.close()
+            if self.openpi is not None:
+                self.openpi.close()
             raise
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -93,6 +103,8 @@ class Node:
                 error = e
                 reason = f"error: {type(e).__name__}: {e}"
             finally:
+                if self.openpi is not None:
+                    self.openpi.close()
                 self.publisher.stop(reason)
                 self.transport.close()
         if error is not None:
@@ -139,5 +151,6 @@ class Node:
             "instruction": pipeline.instruction,
             "kv_bytes": pipeline.policy.kv_bytes(),
             "reconnects": self.transport.reconnects, "input_links": self.transport.input_links(),
+            **({} if self.openpi is None else {"openpi": self.openpi.figures()}),
             "rss_bytes": rss_bytes(),
         }

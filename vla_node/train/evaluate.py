@@ -21,7 +21,6 @@ from vla_node.sim.metrics import aggregate
 from vla_node.sim.scenario import Cue, InstructionGiver, default_cues
 
 
-
 class ReferenceDriver:
     """The reference path as the loop's policy: one frame, the instruction and the state in, the chunk out."""
 

@@ -99,15 +99,19 @@ def _pack_default(obj: Any) -> Any:
     raise CodecError("unsupported_type", f"cannot pack {type(obj).__name__}")
 
 
-def pack(obj: Any) -> bytes:
-    """msgpack-encode `obj` (None, bool, int, float, str, bytes, list/tuple, str-keyed dict, numpy arrays
-    of kinds b/i/u/f and numpy scalars). Anything else raises CodecError('unsupported_type')."""
+def _packb(obj: Any, default: Any) -> bytes:
     try:
-        return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
+        return msgpack.packb(obj, default=default, use_bin_type=True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
         raise CodecError("unsupported_type", str(e)) from None
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack-encode `obj` (None, bool, int, float, str, bytes, list/tuple, str-keyed dict, numpy arrays
+    of kinds b/i/u/f and numpy scalars). Anything else raises CodecError('unsupported_type')."""
+    return _packb(obj, _pack_default)
 
 
 # ---------------------------------------------------------------- unpack
@@ -162,29 +166,89 @@ def _reason_for(e: Exception) -> str:
     return "bad_format"
 
 
-def unpack(data: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
-    """Decode one msgpack object from bytes-like `data` (bytes, memoryview, zmq.Frame) within `limits`.
-    Strings decode as str, bin as bytes, arrays as lists, maps as dicts with str/bytes keys."""
+def _unpackb(data: Any, limits: CodecLimits, **hooks: Any) -> Any:
+    """msgpack.unpackb within `limits`, every failure a CodecError; `hooks`: ext or object hooks, max_ext_len."""
     try:
         view = memoryview(data)
     except TypeError:
         raise CodecError("bad_input", f"{type(data).__name__} is not bytes-like") from None
     if view.nbytes > limits.max_bytes:
         raise CodecError("too_large", f"{view.nbytes} bytes: expected at most {limits.max_bytes}")
+    try:
+        return msgpack.unpackb(
+            view, raw=False, use_list=True, strict_map_key=True,
+            max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len, max_map_len=limits.max_map_len, **hooks,
+        )
+    except CodecError:
+        raise
+    except Exception as e:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError, ...
+        raise CodecError(_reason_for(e), f"{type(e).__name__}: {e}") from None
+
+
+def unpack(data: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
+    """Decode one msgpack object from bytes-like `data` (bytes, memoryview, zmq.Frame) within `limits`.
+    Strings decode as str, bin as bytes, arrays as lists, maps as dicts with str/bytes keys."""
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code != NDARRAY_EXT:
             raise CodecError("unknown_ext", f"ext type {code}: expected {NDARRAY_EXT} (ndarray)")
         return _decode_ndarray(payload, limits)
 
-    try:
-        return msgpack.unpackb(
-            view, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
-            max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
-            max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
-            max_ext_len=limits.max_bin_len + 64,
-        )
-    except CodecError:
-        raise
-    except Exception as e:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError, ...
-        raise CodecError(_reason_for(e), f"{type(e).__name__}: {e}") from None
+    return _unpackb(data, limits, ext_hook=ext_hook, max_ext_len=limits.max_bin_len + 64)
+
+
+# ---------------------------------------------------------------- numpy as maps (openpi's msgpack-numpy)
+# openpi's clients send arrays as maps {b"__ndarray__": True, b"data": raw, b"dtype": "<f4", b"shape": [..]} and
+# numpy scalars as {b"__npgeneric__": True, b"data": value, b"dtype": "<f4"}. Decoded here with the limits and the
+# dtype allow-list above, never with their decoder (it trusts the dtype).
+_ND_KEYS = frozenset((b"__ndarray__", b"data", b"dtype", b"shape"))
+_NPGENERIC_KEYS = frozenset((b"__npgeneric__", b"data", b"dtype"))
+
+
+def _allowed_dtype(dtype_str: Any) -> np.dtype:
+    if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
+        raise CodecError("bad_dtype", f"dtype {show(dtype_str)}: expected one of {sorted(ALLOWED_DTYPES)}")
+    return ALLOWED_DTYPES[dtype_str]
+
+
+def _numpy_map_hook(obj: dict) -> Any:
+    if b"__ndarray__" in obj:
+        if set(obj) != _ND_KEYS:
+            raise CodecError("bad_ndarray", f"ndarray map keys {sorted(map(show, obj))}: expected {sorted(_ND_KEYS)}")
+        dtype, shape, raw = _allowed_dtype(obj[b"dtype"]), obj[b"shape"], obj[b"data"]
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(n) is int and n >= 0 for n in shape)):
+            raise CodecError("bad_ndarray", f"shape {show(shape)}: expected a list of at most {MAX_NDIM} integers >= 0")
+        if not isinstance(raw, bytes) or len(raw) != math.prod(shape) * dtype.itemsize:
+            raise CodecError("bad_ndarray", f"data of {len(raw) if isinstance(raw, bytes) else show(raw)} bytes for "
+                                            f"shape {shape} {dtype.str}: expected {math.prod(shape) * dtype.itemsize}")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)  # (*shape,) read-only view of raw
+    if b"__npgeneric__" in obj:
+        if set(obj) != _NPGENERIC_KEYS or not isinstance(obj[b"data"], (bool, int, float)):
+            raise CodecError("bad_ndarray", f"numpy scalar map {show(obj)}: expected {sorted(_NPGENERIC_KEYS)} "
+                                            "with a bool, int or float")
+        try:
+            return _allowed_dtype(obj[b"dtype"]).type(obj[b"data"])
+        except (OverflowError, ValueError) as e:
+            raise CodecError("bad_ndarray", f"numpy scalar {show(obj[b'data'])}: {e}") from None
+    return obj
+
+
+def unpack_numpy_maps(data: Any, limits: CodecLimits = DEFAULT_LIMITS) -> Any:
+    """Decode one msgpack object whose arrays are openpi's msgpack-numpy maps, within `limits` (no ext types)."""
+    return _unpackb(data, limits, object_hook=_numpy_map_hook, max_ext_len=0)
+
+
+def _numpy_map_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in _ALLOWED_KINDS:
+        arr = np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("<"))
+        return {b"__ndarray__": True, b"data": arr.tobytes(), b"dtype": arr.dtype.str, b"shape": list(arr.shape)}
+    if isinstance(obj, (np.bool_, np.integer, np.floating)):
+        return obj.item()
+    raise CodecError("unsupported_type", f"cannot pack {type(obj).__name__}"
+                     + (f" of dtype {obj.dtype.str!r}" if isinstance(obj, np.ndarray) else ""))
+
+
+def pack_numpy_maps(obj: Any) -> bytes:
+    """msgpack-encode `obj` with arrays as openpi's msgpack-numpy maps (what openpi's clients decode)."""
+    return _packb(obj, _numpy_map_default)

@@ -53,7 +53,7 @@ _SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -72,7 +72,7 @@ def _check_address(key: str, address: Any, allow_non_loopback: bool) -> None:
     host, colon, port = rest.rpartition(":")
     require(colon == ":" and host != "" and ";" not in rest and port.isdigit() and 1 <= int(port) <= 65535,
             key, address, "tcp://HOST:PORT with a port in [1, 65535]")
-    require(allow_non_loopback or _is_loopback(host), key, address,
+    require(allow_non_loopback or is_loopback_host(host), key, address,
             "a loopback address (127.0.0.1, localhost, [::1]) or ipc://; "
             "set allow_non_loopback = true to bind or connect beyond this host")
 
@@ -203,13 +203,14 @@ class _HandshakeWatch:
 class NodeTransport:
     """The node's four sockets: frame and command SUBs (connect), action and health PUBs (bind). The node's
     worker process opens the input side (`outputs=False`), its publisher process the output side (`inputs=False`).
+    `also_from`: the frame and command addresses of a second client the SUBs connect to as well.
 
     Call poll() or drain_*() every tick, even when idle: after a client restarts (or fails CURVE
     authentication once) libzmq re-sends the SUB's subscriptions only when the owning thread touches the
     socket, so a node that never touches its SUBs would never see the new client's frames."""
 
     def __init__(self, config: TransportConfig, ctx: zmq.Context | None = None, *, inputs: bool = True,
-                 outputs: bool = True) -> None:
+                 outputs: bool = True, also_from: tuple[str, str] | None = None) -> None:
         self.config = config
         self._owns_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
@@ -231,6 +232,9 @@ class NodeTransport:
                     self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
                 self._watched = [_HandshakeWatch(sub, address) for sub, address in
                                  ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
+                if also_from is not None:  # (frames, commands) of a second client in this process (openpi's server)
+                    self.frames_sub.connect(also_from[0])
+                    self.commands_sub.connect(also_from[1])
         except BaseException:
             self.close()
             raise
