@@ -23,7 +23,7 @@ from vla_node.sched.scheduler import SchedulerConfig, check_min_level, scheduler
 from vla_node.validate import ConfigError, choose, from_dict, is_number, require
 from vla_node.wire.openpi import OpenpiConfig
 from vla_node.wire.protocol import CameraSpec, ProtocolLimits
-from vla_node.wire.transport import TransportConfig
+from vla_node.wire.transport import TransportConfig, is_loopback_host
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"
@@ -177,6 +177,30 @@ class RealtimeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """A launch file's [metrics]: Prometheus's /metrics served at `listen` (off unless set)."""
+
+    listen: str | None = None  # "127.0.0.1:9464"
+    allow_non_loopback: bool = False
+
+    def __post_init__(self) -> None:
+        require(type(self.allow_non_loopback) is bool, "metrics.allow_non_loopback", self.allow_non_loopback,
+                "true or false")
+        if self.listen is not None:
+            host, port = self.host_port()
+            require(self.allow_non_loopback or is_loopback_host(host), "metrics.listen", self.listen,
+                    "a loopback address (127.0.0.1:PORT, localhost:PORT, [::1]:PORT); set metrics.allow_non_loopback "
+                    "= true to serve beyond this host")
+
+    def host_port(self) -> tuple[str, int]:
+        """'127.0.0.1:9464' -> ('127.0.0.1', 9464)."""
+        host, colon, port = str(self.listen).rpartition(":")
+        require(colon == ":" and host != "" and port.isdigit() and 1 <= int(port) <= 65535, "metrics.listen",
+                self.listen, "HOST:PORT with a port in [1, 65535] (e.g. '127.0.0.1:9464')")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     model: ModelSection = field(default_factory=ModelSection)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -188,6 +212,7 @@ class NodeConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
     openpi: OpenpiConfig = field(default_factory=OpenpiConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.cameras]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from vla_node.config import LAUNCH_DIR, NodeConfig, load_launch
-from vla_node.validate import ConfigError
+from vla_node.validate import ConfigError, from_dict
 
 LAUNCH_FILES = sorted(LAUNCH_DIR.glob("*.toml"))
 
@@ -114,3 +114,17 @@ def test_a_forced_level_is_checked_against_the_nodes_levels_at_load(tmp_path):
     flow = load_launch(write(tmp_path, "[model]\npreset = 'tiny'\naction_head = 'flow'\ninstruction = 'go'\n"
                                        "[scheduler]\nmin_level = 'fewer_denoising_steps 5'\n"))
     assert flow.scheduler.min_level == "fewer_denoising_steps 5"
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"listen": "0.0.0.0:9464"}, "metrics.listen = '0.0.0.0:9464': expected a loopback address"),
+    ({"listen": "9464"}, "HOST:PORT"),
+    ({"listen": "127.0.0.1:99999"}, "port in"),
+    ({"allow_non_loopback": "yes"}, "true or false"),
+])
+def test_the_metrics_section_is_checked(table, match):
+    from vla_node.config import MetricsConfig
+    with pytest.raises(ConfigError, match=match):
+        from_dict(MetricsConfig, table, "metrics")
+    assert from_dict(MetricsConfig, {"listen": "[::1]:9464"}).host_port() == ("::1", 9464)
+    assert from_dict(MetricsConfig, {"listen": "10.1.2.3:9464", "allow_non_loopback": True}).listen

@@ -25,6 +25,7 @@ import torch
 
 from vla_node.config import NodeConfig
 from vla_node.node.ingest import Ingest
+from vla_node.node.metrics import MetricsServer
 from vla_node.node.pipeline import Pipeline
 from vla_node.node.publisher import PublisherSpec
 from vla_node.node.publisher_link import PublisherLink
@@ -57,6 +58,7 @@ class Node:
         # 1920x1080 frame (6 MB copied) must not delay a tick any more than inference may.
         lower_thread_priority(config.realtime.worker_nice)
         self.openpi: OpenpiServer | None = None  # openpi's websocket protocol beside ZeroMQ ([openpi] listen)
+        self.metrics: MetricsServer | None = None  # Prometheus's /metrics ([metrics] listen)
         try:
             self.pipeline = Pipeline(config, clock, broker=self.publisher)
             self.backend = self.pipeline.backend
@@ -69,10 +71,11 @@ class Node:
                     max_prompt_bytes=c.max_text_tokens - 1, control_hz=config.scheduler.control_hz))
             self.transport = NodeTransport(config.transport, outputs=False,
                                            also_from=None if self.openpi is None else self.openpi.inputs)
+            if config.metrics.listen is not None:
+                self.metrics = MetricsServer(config.metrics, config.transport)
         except BaseException:
             self.publisher.close()
-            if self.openpi is not None:
-                self.openpi.close()
+            self._close_integrations()
             raise
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -103,8 +106,7 @@ class Node:
                 error = e
                 reason = f"error: {type(e).__name__}: {e}"
             finally:
-                if self.openpi is not None:
-                    self.openpi.close()
+                self._close_integrations()
                 self.publisher.stop(reason)
                 self.transport.close()
         if error is not None:
@@ -112,6 +114,11 @@ class Node:
             return 1
         log.info("node stopped cleanly")
         return 0
+
+    def _close_integrations(self) -> None:
+        for integration in (self.openpi, self.metrics):
+            if integration is not None:
+                integration.close()
 
     # --- the worker: inputs and inference -------------------------------------------------------------
     def _worker_loop(self, signals: SignalFlag) -> int:

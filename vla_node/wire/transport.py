@@ -377,7 +377,7 @@ class Client:
     def __init__(
         self, config: TransportConfig, ctx: zmq.Context | None = None, *,
         client_secret_key: str | os.PathLike | None = None, server_public_key: str | os.PathLike | None = None,
-        limits: ProtocolLimits = DEFAULT_PROTOCOL_LIMITS,
+        limits: ProtocolLimits = DEFAULT_PROTOCOL_LIMITS, publish: bool = True,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -388,8 +388,9 @@ class Client:
         self._command_subscriptions: set[bytes] = set()
         try:
             curve = self._curve_keys(client_secret_key, server_public_key)
-            self.frames_pub = self._open(zmq.XPUB, config.frames, curve, bind=True)
-            self.commands_pub = self._open(zmq.XPUB, config.commands, curve, bind=True)
+            if publish:  # publish=False: a listener of the node's actions and health only (metrics, monitors)
+                self.frames_pub = self._open(zmq.XPUB, config.frames, curve, bind=True)
+                self.commands_pub = self._open(zmq.XPUB, config.commands, curve, bind=True)
             self.actions_sub = self._open(zmq.SUB, config.actions, curve, bind=False)
             self.actions_sub.setsockopt(zmq.SUBSCRIBE, ACTION_TOPIC)
             self.health_sub = self._open(zmq.SUB, config.health, curve, bind=False)
