@@ -189,7 +189,8 @@ def cmd_replay(args) -> int:
 
     replay(args.drive, args.launch, connect=args.connect, rate=args.rate, as_fast_as_possible=args.as_fast_as_possible,
            loop=args.loop, topic=args.topic, out_dir=args.out, progress=not args.no_progress,
-           addresses=addresses(args), overrides=tuple(args.set or ()), **given(args, "warmup_timeout_s"))
+           addresses=addresses(args), overrides=tuple(args.set or ()), record_out=args.record_out,
+           **given(args, "warmup_timeout_s"))
     return 0
 
 
@@ -197,6 +198,14 @@ def cmd_record(args) -> int:
     from vla_node.drives.record import record
 
     record(args.launch, args.out, args.duration, addresses(args), progress=not args.no_progress)
+    return 0
+
+
+def cmd_view(args) -> int:
+    from vla_node.drives.view import view
+
+    view(args.launch, args.port, addresses(args), args.duration, layout_out=args.layout_out,
+         progress=not args.no_progress)
     return 0
 
 
@@ -381,6 +390,8 @@ def add_drive_commands(sub) -> None:
     pace.add_argument("--as-fast-as-possible", action="store_true",
                       help="closed loop: send the next frame once the node answered the previous one")
     p.add_argument("--loop", type=int, default=1, help="play the drive N times (default 1)")
+    p.add_argument("--record-out", help="also record the replay (frames, commands, actions, health) into this "
+                                        "drive (.mcap, Foxglove schemas; must not exist) with its layout beside it")
     p.add_argument("--topic", help="replay one camera: its topic or camera name")
     p.add_argument("--out", default="out/replay", help="report directory (default out/replay)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -397,6 +408,16 @@ def add_drive_commands(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     add_address_options(p)
     p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("view", help="a Foxglove live view of a running node (WebSocket server on loopback)")
+    p.add_argument("--launch", help="launch file whose addresses are viewed (default launch/cpu.toml)")
+    p.add_argument("--port", type=int, default=8765, help="the server's port (default 8765; 0 = any free one)")
+    p.add_argument("--duration", type=float, help="seconds to serve (default: until Ctrl-C)")
+    p.add_argument("--layout-out", default="vla-node.layout.json",
+                   help="Foxglove layout file to write (default vla-node.layout.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    add_address_options(p)
+    p.set_defaults(func=cmd_view)
 
     p = sub.add_parser("demo", help="replay a synthetic drive through the node and write its report")
     p.add_argument("--out", default="out/demo", help="output directory (default out/demo)")

@@ -82,13 +82,13 @@ def test_native_round_trip_is_byte_exact(tmp_path, compression):
     assert commands[3].header == {"v": 1, "seq": 2, "stamp_ns": T0 + 100_000_001, "values": [0.5, -1.0, 2]}
     assert commands[4].header["values"] == [0.5, -1.0, 3.0] and commands[4].header["seq"] == 3
     with DriveWriter(tmp_path / "other.mcap") as writer:
-        with pytest.raises(ValueError, match="header_map for 'state' cannot be packed"):
+        with pytest.raises(ValueError, match="header_map for 'state' cannot be written as JSON"):
             writer.add_message("state", T0, {"values": object()})
     actions = list(drive.messages(["action"]))
     assert len(actions) == 1 and actions[0].header["chunk"] == [[0.1, 0.2], [0.3, 0.4]]
     info = drive.info()
     assert info.sizes == {"front": (40, 24)} and info.frame_count == 6 and info.profile == "vla-node"
-    assert info.other_topics == {"action": 1, "instruction": 1, "state": 6}
+    assert info.other_topics == {"action": 1, "chunk": 1, "timing": 1, "instruction": 1, "state": 6}
     assert info.to_dict()["duration_s"] == pytest.approx(1.000000005)
     assert list(drive.frames())[3].payload == images[3].tobytes()  # a reader can be iterated again
 def test_native_multi_camera_jpeg_and_bgr8_frames_and_topic_selection(tmp_path):

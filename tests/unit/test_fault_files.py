@@ -94,7 +94,7 @@ def test_a_corrupt_engine_is_rebuilt_with_a_warning_naming_the_file(tmp_path, ca
 # --- a drive cut off by a full disk -------------------------------------------------------------------------------
 def write_drive(path, frames: int = 6) -> list[int]:
     """A drive of an instruction and `frames` 32x32 frames, one chunk per frame (uncompressed, chunks of at most
-    1 KiB: the instruction shares the first); the end offset of each Chunk record."""
+    1 KiB: the instruction and the schemas fill one before them); the end offset of each frame's Chunk record."""
     rng = np.random.default_rng(0)
     with DriveWriter(path, compression="none", chunk_size=1024) as writer:
         writer.add_message("instruction", 1, {"v": 1, "seq": 0, "stamp_ns": 1, "text": "go"})
@@ -106,7 +106,8 @@ def write_drive(path, frames: int = 6) -> list[int]:
         offset += 9 + length
         if opcode == Opcode.CHUNK:
             chunks.append(offset)
-    return chunks
+    assert len(chunks) == frames + 1, chunks
+    return chunks[1:]
 
 
 def frame_seqs(path) -> list[int]:

@@ -1,13 +1,18 @@
-"""Native drives: MCAP files with profile "vla-node" and msgpack messages that mirror wire protocol v1.
+"""Native drives: MCAP files with profile "vla-node" whose channels mirror wire protocol v1, in schemas Foxglove
+shows without plugins (drives/foxglove.py).
 
-Channels: `frame/<camera>` (one per camera), `instruction`, `state`, and when recorded `action`, `health`.
-A frame message is the v1 frame header map plus key `data` with the payload (raw RGB/BGR or JPEG); other
-messages are their header map as is. Log time = publish time = the message's capture stamp in ns.
+Channels: `frame/<camera>` (one per camera), `instruction`, `state`, and when recorded `action`, `health`, with
+`chunk` and `timing` derived from each action. A frame is a foxglove.RawImage (rgb8, bgr8) or
+foxglove.CompressedImage (jpeg), protobuf, its frame_id the camera and its MCAP sequence the frame's seq (mod 2^32);
+every other message is its header map as JSON with a JSON schema. Log time = publish time = the message's capture
+stamp in ns. Drives written before (msgpack channels without schemas: the frame header map plus `data`, the other
+maps as they are) read the same.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -26,6 +31,18 @@ from vla_node.drives.common import (
     drive_error,
     iter_mcap,
     jpeg_dims,
+)
+from vla_node.drives.foxglove import (
+    IMAGE_SCHEMAS,
+    JSON,
+    JSONSCHEMA,
+    PROTOBUF,
+    ImageDecoder,
+    derived_from_action,
+    encode_image,
+    encode_json,
+    image_schema,
+    json_schema,
 )
 from vla_node.validate import ConfigError, show
 
@@ -55,15 +72,6 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return int(value)
 
 
-def _plain(value: Any) -> Any:
-    """numpy values in a header map (e.g. state values) are stored as plain msgpack numbers and lists."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot pack {type(value).__name__}")
-
-
 class DriveWriter:
     """Write a native drive. Usable as a context manager; close() (MCAP finish) also runs on an exception,
     so an interrupted recording stays a readable drive."""
@@ -86,18 +94,35 @@ class DriveWriter:
         except BaseException:
             self._file.close()
             raise
-        self._channels: dict[str, int] = {}
+        self._channels: dict[tuple[str, str], int] = {}  # (topic, schema name) -> channel id
+        self._schemas: dict[str, int] = {}  # schema name -> schema id
         self._closed = False
         self.frames_written = 0
         self.messages_written = 0
 
-    def _channel(self, topic: str, metadata: dict[str, str]) -> int:
-        cid = self._channels.get(topic)
+    def _channel(self, topic: str, schema: tuple[str, str, bytes], message_encoding: str,
+                 metadata: dict[str, str]) -> int:
+        """The channel of `topic` in `schema` (name, encoding, data), registered on first use (a camera that
+        switches between raw and JPEG has a channel per schema on its topic)."""
+        name = schema[0]
+        cid = self._channels.get((topic, name))
         if cid is None:
-            cid = self._writer.register_channel(topic=topic, message_encoding=MessageEncoding.MessagePack,
-                                                schema_id=0, metadata=metadata)
-            self._channels[topic] = cid
+            sid = self._schemas.get(name)
+            if sid is None:
+                sid = self._schemas[name] = self._writer.register_schema(*schema)
+            cid = self._channels[(topic, name)] = self._writer.register_channel(
+                topic=topic, message_encoding=message_encoding, schema_id=sid, metadata=metadata)
         return cid
+
+    def _add_json(self, topic: str, stamp_ns: int, sequence: int, message: Mapping[str, Any]) -> None:
+        try:
+            data = encode_json(message)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"header_map for {topic!r} cannot be written as JSON: {e}") from e
+        name, schema = json_schema(topic)
+        cid = self._channel(topic, (name, JSONSCHEMA, schema), JSON, {})
+        self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns, sequence=sequence,
+                                 data=data)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -119,16 +144,16 @@ class DriveWriter:
         if encoding != "jpeg" and len(data) != height * width * 3:
             raise ValueError(f"payload: {len(data)} bytes, expected height*width*3 = {height * width * 3} "
                              f"for {encoding} {width}x{height}")
-        message = {"v": WIRE_VERSION, "seq": seq, "stamp_ns": stamp_ns, "camera": camera, "encoding": encoding,
-                   "height": height, "width": width, "data": data}
-        cid = self._channel(FRAME_PREFIX + camera, {"camera": camera})
+        schema_name, message = encode_image(camera, stamp_ns, encoding, height, width, data)
+        cid = self._channel(FRAME_PREFIX + camera, image_schema(schema_name), PROTOBUF, {"camera": camera})
         self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns,
-                                 sequence=seq & SEQUENCE_MASK, data=msgpack.packb(message, use_bin_type=True))
+                                 sequence=seq & SEQUENCE_MASK, data=message)
         self.frames_written += 1
 
     def add_message(self, topic: str, stamp_ns: int, header_map: Mapping[str, Any]) -> None:
         """Append a command or output message (instruction, state, action, health): its header map as is
-        (numpy arrays and scalars in it become plain lists and numbers)."""
+        (numpy arrays and scalars in it become plain lists and numbers); an action adds its chunk and timing
+        channels' messages."""
         self._check_open()
         if not isinstance(topic, str) or not topic or topic.startswith(FRAME_PREFIX):
             raise ValueError(f"topic = {topic!r}: expected a non-frame topic such as 'instruction' "
@@ -136,15 +161,12 @@ class DriveWriter:
         if not isinstance(header_map, Mapping):
             raise ValueError(f"header_map for {topic!r}: expected a map, got {type(header_map).__name__}")
         stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
-        try:
-            data = msgpack.packb(dict(header_map), use_bin_type=True, default=_plain)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ValueError(f"header_map for {topic!r} cannot be packed as msgpack: {e}") from e
         seq = header_map.get("seq", 0)
         sequence = int(seq) & SEQUENCE_MASK if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool) else 0
-        cid = self._channel(topic, {})
-        self._writer.add_message(channel_id=cid, log_time=stamp_ns, publish_time=stamp_ns, sequence=sequence,
-                                 data=data)
+        self._add_json(topic, stamp_ns, sequence, header_map)
+        if topic == "action":
+            for derived_topic, message in derived_from_action(header_map).items():
+                self._add_json(derived_topic, stamp_ns, sequence, message)
         self.messages_written += 1
 
     def add_metadata(self, name: str, data: Mapping[str, str]) -> None:
@@ -172,11 +194,16 @@ class DriveWriter:
 # ---- reading ---------------------------------------------------------------------------------------
 
 
-def _unpack(path: Path, topic: str, log_time: int, data: bytes) -> dict[str, Any]:
+def _unpack(path: Path, topic: str, log_time: int, data: bytes, encoding: str = MessageEncoding.MessagePack
+            ) -> dict[str, Any]:
+    """A message map from msgpack (drives written before) or JSON."""
     try:
-        value = msgpack.unpackb(data, raw=False, strict_map_key=True, **UNPACK_LIMITS)
+        if encoding == JSON:
+            value = json.loads(data)
+        else:
+            value = msgpack.unpackb(data, raw=False, strict_map_key=True, **UNPACK_LIMITS)
     except Exception as e:  # noqa: BLE001 - malformed msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError, ...
-        raise drive_error(path, f"message on {topic!r} at log time {log_time}: bad msgpack "
+        raise drive_error(path, f"message on {topic!r} at log time {log_time}: bad {encoding} "
                                 f"({type(e).__name__}: {e})") from e
     if not isinstance(value, dict):
         raise drive_error(path, f"message on {topic!r} at log time {log_time}: expected a map, "
@@ -233,8 +260,9 @@ class NativeDriveReader(McapDriveReader):
 
     @staticmethod
     def frame_topics(index: McapIndex) -> list[str]:
-        return sorted({ch.topic for ch in index.channels.values()
-                       if ch.topic.startswith(FRAME_PREFIX) and ch.message_encoding == MessageEncoding.MessagePack})
+        return sorted({ch.topic for ch in index.channels.values() if ch.topic.startswith(FRAME_PREFIX) and (
+            ch.message_encoding == MessageEncoding.MessagePack
+            or (ch.message_encoding == PROTOBUF and index.schema_name(ch) in IMAGE_SCHEMAS))})
 
     def _first_frame(self, camera: str) -> tuple[DriveFrame, str]:
         for frame, stored_encoding in self._frames([self.topics[camera]]):
@@ -242,19 +270,43 @@ class NativeDriveReader(McapDriveReader):
         raise drive_error(self.path, f"empty drive: no frame messages on {self.topics[camera]!r}")
 
     def _frames(self, topics: list[str]) -> Iterator[tuple[DriveFrame, str]]:
-        for _schema, channel, message in iter_mcap(self.path, topics):
+        decoders: dict[int, ImageDecoder] = {}
+        for schema, channel, message in iter_mcap(self.path, topics):
             stamp_ns = self.index.relative_ns(self.path, channel.topic, message.log_time)
-            m = _unpack(self.path, channel.topic, message.log_time, message.data)
             camera = channel.topic[len(FRAME_PREFIX):]
+            if channel.message_encoding == PROTOBUF:
+                m = self._image(decoders, schema, channel.topic, message)
+            else:
+                m = _unpack(self.path, channel.topic, message.log_time, message.data)
             yield _frame(self.path, camera, channel.topic, message.log_time, stamp_ns, m), m["encoding"]
 
+    def _image(self, decoders: dict[int, ImageDecoder], schema: Any, topic: str, message: Any) -> dict[str, Any]:
+        """A Foxglove image message as the frame map _frame checks (seq from the MCAP sequence)."""
+        where = f"frame on {topic!r} at log time {message.log_time}"
+        if schema is None or schema.name not in IMAGE_SCHEMAS:
+            raise drive_error(self.path, f"{where}: protobuf schema {show(getattr(schema, 'name', None))}, expected "
+                                         f"one of {list(IMAGE_SCHEMAS)}")
+        try:
+            decoder = decoders.get(schema.id) or decoders.setdefault(schema.id, ImageDecoder(schema.name, schema.data))
+            m = decoder.decode(message.data)
+        except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError, TypeError, KeyError on a bad schema
+            raise drive_error(self.path, f"{where}: bad {schema.name} ({type(e).__name__}: {e})") from e
+        if m["encoding"] == "jpeg":
+            try:
+                m["height"], m["width"] = jpeg_dims(m["data"])
+            except ValueError as e:
+                raise drive_error(self.path, f"{where}: {e}") from e
+        elif m["step"] != m["width"] * 3:
+            raise drive_error(self.path, f"{where}: step {m['step']}, expected width * 3 = {m['width'] * 3}")
+        return {"v": WIRE_VERSION, "seq": message.sequence, **m}
+
     def messages(self, topics: Iterable[str] | None = None) -> Iterator[DriveMessage]:
-        available = {ch.topic for ch in self.index.channels.values()
-                     if not ch.topic.startswith(FRAME_PREFIX) and ch.message_encoding == MessageEncoding.MessagePack}
+        available = {ch.topic for ch in self.index.channels.values() if not ch.topic.startswith(FRAME_PREFIX)
+                     and ch.message_encoding in (MessageEncoding.MessagePack, JSON)}
         wanted = sorted(available if topics is None else available & set(topics))
         if not wanted:
             return
         for _schema, channel, message in iter_mcap(self.path, wanted):
             stamp_ns = self.index.relative_ns(self.path, channel.topic, message.log_time)
-            header = _unpack(self.path, channel.topic, message.log_time, message.data)
+            header = _unpack(self.path, channel.topic, message.log_time, message.data, channel.message_encoding)
             yield DriveMessage(channel.topic, stamp_ns, header)

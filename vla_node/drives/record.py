@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import os
 import queue
@@ -30,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import zmq
 from mcap.data_stream import RecordBuilder
@@ -39,6 +40,7 @@ from mcap.reader import make_reader
 from mcap.records import DataEnd, Footer
 
 from vla_node.drives.common import MCAP_MAGIC
+from vla_node.drives.foxglove import layout
 from vla_node.drives.open import DriveError, DriveWriter
 from vla_node.progress import Progress
 from vla_node.validate import ConfigError, is_number, require
@@ -60,6 +62,7 @@ from vla_node.wire.protocol import (
 
 if TYPE_CHECKING:
     from vla_node.config import NodeConfig
+    from vla_node.wire.transport import TransportConfig
 
 ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 QUEUE_SIZE = 256  # messages between the receive loop and the writer (about 8 s of 30 Hz frames)
@@ -137,7 +140,9 @@ class DriveSink(threading.Thread):
     takes no more (DISK_FULL) stops the thread with the drive cut at its last complete record (`stopped` says
     so); any other failure stops the thread and is re-raised by the recorder."""
 
-    def __init__(self, path: Path, limits: ProtocolLimits, queue_size: int) -> None:
+    def __init__(self, path: Path | None, limits: ProtocolLimits, queue_size: int, writer: Any = None) -> None:
+        """path: the drive to write; or None with `writer`, an object with DriveWriter's add_frame, add_message and
+        close (vla-node view's live channels)."""
         super().__init__(name="vla-record-writer", daemon=True)
         self.path, self.limits = path, limits
         self.items: queue.Queue = queue.Queue(queue_size)
@@ -146,7 +151,7 @@ class DriveSink(threading.Thread):
         self.first_reject: str | None = None
         self.error: BaseException | None = None
         self.stopped: str | None = None
-        self.writer = DriveWriter(path)  # opened here: a bad path fails before anything is received
+        self.writer = writer if path is None else DriveWriter(path)  # opened here: a bad path fails at once
 
     def run(self) -> None:
         full: OSError | None = None
@@ -164,7 +169,7 @@ class DriveSink(threading.Thread):
                     self.rejected[kind] += 1
                     self.first_reject = self.first_reject or f"{kind}: {e}"
         except OSError as e:
-            if e.errno not in DISK_FULL:
+            if e.errno not in DISK_FULL or self.path is None:
                 self.error = e
                 return
             full, ends = e, record_ends(self.path)  # before anything else is written after the failure
@@ -178,7 +183,7 @@ class DriveSink(threading.Thread):
         try:
             self.writer.close()
         except OSError as e:
-            if e.errno not in DISK_FULL or self.error is not None:
+            if e.errno not in DISK_FULL or self.error is not None or self.path is None:
                 self.error = self.error or e
                 return
             full, ends = full or e, ends or record_ends(self.path)
@@ -325,6 +330,52 @@ def record(
         raise FileExistsError(f"{path} exists: remove it or choose another --out")
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    layout_path = path.with_suffix(".layout.json")
+    layout_path.write_text(json.dumps(layout([c.name for c in config.cameras]), indent=1))  # Foxglove's layout
+    start = time.monotonic()
+    sink, dropped = listen(config, transport, lambda: DriveSink(path, config.limits, queue_size), f"to {path}",
+                           duration_s, stop_event, progress)
+    summary = RecordSummary(path=path, duration_s=time.monotonic() - start, written=dict(sink.written),
+                            dropped={k: dropped[k] for k in ADDRESS_KEYS}, rejected=dict(sink.rejected),
+                            first_reject=sink.first_reject, bytes=path.stat().st_size, stopped=sink.stopped)
+    print(summary.line(), flush=True)
+    if sink.stopped:
+        raise RecordingStopped(f"{path}: recording stopped early: {sink.stopped}", summary)
+    return summary
+
+
+class BackgroundRecording(threading.Thread):
+    """record() in a thread of its own (a replay's --record-out), started at construction, until finish()."""
+
+    def __init__(self, launch: os.PathLike | str, out: os.PathLike | str, addresses: Mapping[str, str]) -> None:
+        super().__init__(name="vla-record", daemon=True)
+        self.launch, self.out, self.addresses = launch, Path(out), dict(addresses)
+        self.stop_event = threading.Event()
+        self.summary: RecordSummary | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.summary = record(self.launch, self.out, None, self.addresses, stop_event=self.stop_event,
+                                  progress=False)
+        except BaseException as e:  # raised by finish()
+            self.error = e
+
+    def finish(self) -> RecordSummary:
+        """Stop recording, wait for the drive to be finished; its summary (or the recording's error, raised)."""
+        self.stop_event.set()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def listen(config: NodeConfig, transport: TransportConfig, make_sink: Callable[[], DriveSink], where: str,
+           duration_s: float | None, stop_event: threading.Event | None, progress: bool
+           ) -> tuple[DriveSink, Counter[str]]:
+    """SUBs at the four addresses into a sink until duration_s, Ctrl-C/SIGTERM or stop_event: (the finished sink,
+    messages dropped per kind because its queue was full). Re-raises the sink's error."""
     stop = stop_event if stop_event is not None else threading.Event()
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -341,10 +392,10 @@ def record(
             (_open_sub(ctx, config, transport.actions, (ACTION_TOPIC,)), "actions"),
             (_open_sub(ctx, config, transport.health, (HEALTH_TOPIC,)), "health"),
         ]
-        sink = DriveSink(path, config.limits, queue_size)
+        sink = make_sink()
         sink.start()
-        print(f"recording {transport.frames} (frames), {transport.commands} (commands), {transport.actions} "
-              f"(actions), {transport.health} (health) to {path}"
+        print(f"listening to {transport.frames} (frames), {transport.commands} (commands), {transport.actions} "
+              f"(actions), {transport.health} (health) {where}"
               + (f" for {duration_s:g} s" if duration_s else " until Ctrl-C"), flush=True)
         _receive(sockets, sink, stop, dropped, start + duration_s if duration_s else None, progress)
     finally:
@@ -357,13 +408,7 @@ def record(
             _stop_sink(sink)
     if sink.error is not None:
         raise sink.error
-    summary = RecordSummary(path=path, duration_s=time.monotonic() - start, written=dict(sink.written),
-                            dropped={k: dropped[k] for k in ADDRESS_KEYS}, rejected=dict(sink.rejected),
-                            first_reject=sink.first_reject, bytes=path.stat().st_size, stopped=sink.stopped)
-    print(summary.line(), flush=True)
-    if sink.stopped:
-        raise RecordingStopped(f"{path}: recording stopped early: {sink.stopped}", summary)
-    return summary
+    return sink, dropped
 
 
 def _stop_sink(sink: DriveSink) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import numpy as np
 
 from vla_node.drives.open import DriveError, DriveMessage, DriveReader, open_drive
+from vla_node.drives.record import BackgroundRecording
 from vla_node.drives.replay_threads import Prefetch, Receiver
 from vla_node.node.process import ADDRESS_KEYS, NodeProcess, NodeProcessError, private_addresses
 from vla_node.node.signals import ExitOn, SignalFlag
@@ -247,6 +248,7 @@ def replay(
     warmup_timeout_s: float = WARMUP_TIMEOUT_S,
     on_records: Callable[[list[FrameRecord], list[ActionRecord]], None] | None = None,
     overrides: tuple[str, ...] = (),
+    record_out: os.PathLike | str | None = None,
 ) -> tuple[dict, Path, Path]:
     """Replay `drive` through a node (started here from `launch`, default launch/cpu.toml; or the running one
     at the launch file's addresses with connect=True; `addresses` overrides any of frames/commands/actions/
@@ -255,7 +257,8 @@ def replay(
     rate: recorded timing x rate (2.0 = twice as fast); as_fast_as_possible: closed loop, one frame in flight;
     loop: play the drive this many times; topic: one camera of the drive (topic or camera name); on_records:
     called with the report's frame and action records (for a caller's own figures); overrides: `--set
-    SECTION.KEY=VALUE` changes to the launch file (config.apply_overrides), for the node started here.
+    SECTION.KEY=VALUE` changes to the launch file (config.apply_overrides), for the node started here; record_out:
+    a drive that records the replay's traffic as `vla-node record` does (Foxglove schemas, its layout beside it).
     Raises DriveError (drive), ConfigError (arguments, launch file), NodeProcessError (node). A Ctrl-C while
     streaming stops the replay early, writes the report of what was sent, and is re-raised."""
     _check_pacing(rate, loop, warmup_timeout_s)
@@ -268,6 +271,11 @@ def replay(
     commands = list(reader.commands())
     _check_commands(reader.path, commands, config.limits)
     transport = _addresses(config, addresses, connect)
+    if record_out is not None and Path(record_out).exists():
+        raise FileExistsError(f"{record_out} exists: remove it or choose another --record-out")
+    if record_out is not None and transport.curve_keys_dir is not None:
+        raise ConfigError("replay --record-out: transport.curve_keys_dir is set, and recording encrypted (CURVE) "
+                          "traffic is not supported yet")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"replay {reader.path}: {reader.kind}, {reader.frame_count} frames over {reader.duration_ns / 1e9:.2f} s, "
@@ -281,7 +289,7 @@ def replay(
     result, receiver, node = _replay_through_node(
         reader, commands, cameras, config, launch_path, transport, out, connect=connect, rate=rate,
         as_fast_as_possible=as_fast_as_possible, loop=loop, progress=progress, warmup_timeout_s=warmup_timeout_s,
-        overrides=overrides)
+        overrides=overrides, record_out=record_out)
     report, json_path, html_path = _write_replay_report(reader, config, result, receiver, node, out, on_records)
     if result.interrupted:
         raise KeyboardInterrupt
@@ -300,11 +308,12 @@ def _check_pacing(rate: float, loop: int, warmup_timeout_s: float) -> None:
 def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], cameras: Mapping[str, str],
                          config: NodeConfig, launch_path: Path, transport: TransportConfig, out: Path, *,
                          connect: bool, rate: float, as_fast_as_possible: bool, loop: int, progress: bool,
-                         warmup_timeout_s: float, overrides: tuple[str, ...] = ()
+                         warmup_timeout_s: float, overrides: tuple[str, ...] = (),
+                         record_out: os.PathLike | str | None = None
                          ) -> tuple[StreamResult, Receiver, NodeProcess | None]:
     """Start the node (unless connect; its log in out/node.log), wait for it, stream the drive and drain its
-    answers; the receiver, the client and the node are stopped whatever happens. Returns (the stream's result,
-    the receiver with every action and health message, the node or None)."""
+    answers; the receiver, the client, the recording (record_out) and the node are stopped whatever happens.
+    Returns (the stream's result, the receiver with every action and health message, the node or None)."""
     primary = config.cameras[0].name
     answer_timeout_s = max(2 * config.scheduler.vision_deadline_ms / 1000, 0.2)
     try:
@@ -313,6 +322,8 @@ def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], came
         raise ConfigError(f"{e}; choose other addresses (--frames/--commands)") from None
     node: NodeProcess | None = None
     receiver: Receiver | None = None
+    recording = None if record_out is None else BackgroundRecording(
+        launch_path, record_out, {key: getattr(transport, key) for key in ADDRESS_KEYS})
     failed = True
     # SIGTERM or SIGHUP (timeout, CI, a closed terminal) must not leave the node running: they exit through the
     # finally below (during the stream they stop it as Ctrl-C does, and the frames sent so far are reported)
@@ -331,10 +342,14 @@ def _replay_through_node(reader: DriveReader, commands: list[DriveMessage], came
                        config.health.period_s)
             receiver.stop()
             receiver.check()
+            if recording is not None:
+                recording.finish()
             failed = False
         finally:
             if receiver is not None and receiver.is_alive():
                 receiver.stop()
+            if recording is not None and recording.is_alive():
+                recording.stop_event.set()
             client.close()
             if node is not None:
                 _stop_node(node, failed)
