@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from vla_node.validate import ConfigError
@@ -209,6 +210,46 @@ def cmd_view(args) -> int:
     return 0
 
 
+def _fleet_jobs_args(args) -> dict:
+    return dict(rate=args.rate, as_fast_as_possible=args.as_fast_as_possible, repeat=args.repeat,
+                resume=args.resume, max_attempts=args.max_attempts, overrides=tuple(args.set or ()),
+                progress=not args.no_progress)
+
+
+def cmd_fleet_run(args) -> int:
+    from vla_node.fleet.commands import fleet_run
+
+    report = fleet_run(args.drives, args.launch, args.out, ray_address=args.ray_address, local=args.local,
+                       **_fleet_jobs_args(args))
+    return 1 if report["fleet"]["failed"] else 0
+
+
+def cmd_fleet_shard(args) -> int:
+    from vla_node.fleet.commands import fleet_shard
+
+    index = args.index
+    if index is None:
+        env = os.environ.get("JOB_COMPLETION_INDEX")
+        if env is None or not env.isdigit():
+            raise ConfigError(f"fleet shard: no --index and JOB_COMPLETION_INDEX = {env!r}: expected an integer")
+        index = int(env)
+    report = fleet_shard(args.drives, args.launch, args.out, index=index, count=args.count, **_fleet_jobs_args(args))
+    return 1 if report["fleet"]["failed"] else 0
+
+
+def cmd_fleet_merge(args) -> int:
+    from vla_node.fleet.commands import fleet_merge
+
+    report = fleet_merge(args.dirs, args.out)
+    return 1 if report["fleet"]["failed"] else 0
+
+
+def cmd_fleet_compare(args) -> int:
+    from vla_node.fleet.commands import fleet_compare
+
+    return fleet_compare(args.base, args.new, args.max_regression, args.max_action_deviation)
+
+
 def cmd_demo(args) -> int:
     from vla_node.drives.demo import demo
 
@@ -296,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_commands(sub)
     add_fuzz_command(sub)
     add_closed_loop_commands(sub)
+    add_fleet_commands(sub)
     return parser
 
 
@@ -433,6 +475,50 @@ def add_drive_commands(sub) -> None:
     q.add_argument("b", help="new report.json")
     q.add_argument("--max-regression", type=float, default=10.0, help="allowed p99 / misses growth in %%")
     q.set_defaults(func=cmd_report_compare)
+
+
+def add_fleet_commands(sub) -> None:
+    """fleet run | shard | merge | compare."""
+    p = sub.add_parser("fleet", help="replay a library of drives across machines (Ray, or shards) into one report")
+    fleet_sub = p.add_subparsers(dest="fleet_command", required=True)
+
+    def jobs_options(q: argparse.ArgumentParser) -> None:
+        q.add_argument("drives", nargs="+", help="drives, folders of drives, or .txt lists (one path per line)")
+        q.add_argument("--launch", required=True, help="launch file every job's node starts from")
+        q.add_argument("--out", required=True, help="fleet folder: rows/, jobs/<job>/, fleet.json, fleet.html")
+        pace = q.add_mutually_exclusive_group()
+        pace.add_argument("--rate", type=float, default=1.0, help="recorded timing x RATE (a timed run, default 1)")
+        pace.add_argument("--as-fast-as-possible", action="store_true",
+                          help="a throughput run: one frame in flight; jobs may share a machine")
+        q.add_argument("--repeat", type=int, default=1, help="replay each drive K times (default 1)")
+        q.add_argument("--resume", action="store_true", help="skip the jobs whose row in --out is ok")
+        q.add_argument("--max-attempts", type=int, default=3, help="attempts per job before it is a failed row")
+        q.add_argument("--no-progress", action="store_true", help="no progress lines")
+        add_set_option(q)
+
+    q = fleet_sub.add_parser("run", help="one Ray task per (drive, repeat); timed replays one per machine")
+    jobs_options(q)
+    where = q.add_mutually_exclusive_group()
+    where.add_argument("--ray", dest="ray_address", help="a running Ray cluster's address (ray start --head)")
+    where.add_argument("--local", type=int, help="start a local Ray of N CPUs (one replay slot) for this run")
+    q.set_defaults(func=cmd_fleet_run)
+    q = fleet_sub.add_parser("shard", help="the drives whose position mod COUNT is INDEX, here, one after another")
+    jobs_options(q)
+    q.add_argument("--index", type=int, default=None,
+                   help="this shard (default $JOB_COMPLETION_INDEX, a Kubernetes Indexed Job's)")
+    q.add_argument("--count", type=int, required=True, help="number of shards")
+    q.set_defaults(func=cmd_fleet_shard)
+    q = fleet_sub.add_parser("merge", help="join shards' folders into one fleet report")
+    q.add_argument("dirs", nargs="+", help="the shards' --out folders")
+    q.add_argument("--out", required=True, help="folder for the merged fleet.json and fleet.html")
+    q.set_defaults(func=cmd_fleet_merge)
+    q = fleet_sub.add_parser("compare", help="per-drive regressions between two fleet.json; exit 1 on any")
+    q.add_argument("base", help="baseline fleet.json")
+    q.add_argument("new", help="new fleet.json")
+    q.add_argument("--max-regression", type=float, default=10.0, help="allowed p99 / misses growth in %% (10)")
+    q.add_argument("--max-action-deviation", type=float,
+                   help="allowed mean |action difference| over the frames both ran (default: reported only)")
+    q.set_defaults(func=cmd_fleet_compare)
 
 
 def add_fuzz_command(sub) -> None:

@@ -3,6 +3,7 @@ output in a log file, stopped with SIGINT, its exit code and the tail of its log
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import signal
@@ -18,6 +19,7 @@ from vla_node.wire.transport import TransportConfig
 ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 STOP_TIMEOUT_S = 30.0  # SIGINT to exit
 LOG_TAIL_LINES = 12
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class NodeProcessError(RuntimeError):
@@ -38,6 +40,19 @@ def private_addresses() -> dict[str, str]:
     return {key: f"tcp://127.0.0.1:{port}" for key, port in zip(ADDRESS_KEYS, ports)}
 
 
+def _child_signals() -> None:
+    """In the child before exec: no signal blocked or ignored as its parent may have them (a Ray worker blocks
+    SIGINT, which the node stops on; both the mask and ignored dispositions survive exec), and on Linux SIGTERM when
+    the thread that started it dies, so a replay killed outright (a fleet task's worker, SIGKILL) never leaves its
+    node running."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 class NodeProcess:
     """`vla-node run` in a child process (its own session, so a terminal's Ctrl-C reaches only the replay,
     which stops the node itself); stdout and stderr go to log_path. overrides: `--set SECTION.KEY=VALUE` for the
@@ -56,7 +71,8 @@ class NodeProcess:
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=None if env is None else {**os.environ, **env})
+                                         env=None if env is None else {**os.environ, **env},
+                                         preexec_fn=_child_signals)
         except BaseException:
             self._log.close()
             raise
