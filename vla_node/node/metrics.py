@@ -135,6 +135,7 @@ class MetricsServer:
         self.metrics = NodeMetrics()
         self._transport = replace(transport)
         self._stop = threading.Event()
+        self.error: Exception | None = None  # what stopped the listener
         host, port = config.host_port()
         try:
             self._server, self._http_thread = start_http_server(port, addr=host, registry=self.metrics.registry)
@@ -160,10 +161,15 @@ class MetricsServer:
                             self.metrics.observe_action(decode_action(parts))
                     except (zmq.Again, ProtocolError):
                         continue
-        except Exception:
-            log.exception("the metrics listener stopped")
+        except Exception as e:  # raised in the node's loop by check(): the node exits non-zero
+            self.error = e
         finally:
             client.close()
+
+    def check(self) -> None:
+        """Raise what stopped the listener (called by the node's loop, which then exits non-zero)."""
+        if self.error is not None:
+            raise RuntimeError(f"the metrics listener stopped: {type(self.error).__name__}: {self.error}")
 
     def close(self) -> None:
         self._stop.set()

@@ -124,10 +124,13 @@ class Node:
     def _worker_loop(self, signals: SignalFlag) -> int:
         """Frames and commands in, chunks out, until a signal (returned; the handler only records it)."""
         transport, ingest, pipeline, publisher = self.transport, self.ingest, self.pipeline, self.publisher
+        integrations = tuple(i for i in (self.openpi, self.metrics) if i is not None)
         period = int(self.config.health.period_s * 1e9)
         posted = self.clock() - period  # the first figures cover one nominal period
         while signals.received is None:
             publisher.check()
+            for integration in integrations:
+                integration.check()
             if self.clock() - posted >= period:
                 now = self.clock()
                 publisher.post_status(self._worker_status(now, (now - posted) / 1e9), now)

@@ -79,6 +79,7 @@ class OpenpiServer:
         self._client_config = replace(node_transport, frames=self.inputs[0], commands=self.inputs[1])
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.error: Exception | None = None  # what stopped the pump
         self._lock = threading.Lock()  # the counters below, written by the connection threads and the pump
         self.clients = 0
         self.connections = 0
@@ -114,14 +115,17 @@ class OpenpiServer:
         if full:
             ws.close(TRY_AGAIN_LATER, f"at most {self.config.max_clients} clients (openpi.max_clients)")
             return
+        from websockets.exceptions import ConnectionClosed
+
         m = self.model
         try:
             ws.send(encode_metadata(self.config, m.horizon, m.dim, m.state_dim, m.control_hz))
             for message in ws:
                 ws.send(self._answer(message))
-        except Exception as e:  # the connection went away (websockets' ConnectionClosed) or a bug: log, not raise
-            if type(e).__name__ not in ("ConnectionClosedOK", "ConnectionClosedError"):
-                log.exception("openpi connection: %s", e)
+        except ConnectionClosed:
+            pass  # the client went away
+        except Exception as e:  # a bug: logged with its traceback; the other connections and the node go on
+            log.exception("openpi connection: %s", e)
         finally:
             with self._lock:
                 self.clients -= 1
@@ -194,8 +198,8 @@ class OpenpiServer:
                     now = time.monotonic_ns()
                     for key in [k for k, r in pending.items() if now >= r.deadline_ns]:
                         self._reply(pending.pop(key), latest, "timeout")
-        except Exception:
-            log.exception("openpi pump stopped")
+        except Exception as e:  # raised in the node's loop by check(): the node exits non-zero
+            self.error = e
         finally:
             for request in pending.values():
                 request.done.set()  # action None: the connection answers with an error
@@ -215,6 +219,11 @@ class OpenpiServer:
                     "refused": self.refused, "observations": self.observations, "replies": dict(self.replies),
                     "answered": dict(self.answered), "errors": dict(self.errors),
                     "ignored_keys": dict(self.ignored_keys)}
+
+    def check(self) -> None:
+        """Raise what stopped the pump (called by the node's loop, which then exits non-zero)."""
+        if self.error is not None:
+            raise RuntimeError(f"the openpi endpoint's pump stopped: {type(self.error).__name__}: {self.error}")
 
     def close(self) -> None:
         self._stop.set()
