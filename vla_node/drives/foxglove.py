@@ -70,11 +70,15 @@ def encode_json(message: Mapping[str, Any]) -> bytes:
     return json.dumps(dict(message), separators=(",", ":"), allow_nan=False, default=_plain).encode()
 
 
-def derived_from_action(action: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The chunk and timing channels' messages for one action message (for plots of their own)."""
-    return {"chunk": {"frame_seq": action.get("frame_seq"), "chunk": action.get("chunk", [])},
-            "timing": {"frame_seq": action.get("frame_seq"), "status": action.get("status"),
-                       "ms": dict(action.get("timing_ms", {}))}}
+def json_messages(topic: str, message: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The JSON channels' messages for one message: itself on its topic, and for an action its chunk and timing on
+    channels of their own (for plots)."""
+    if topic != "action":
+        return {topic: message}
+    return {"action": message,
+            "chunk": {"frame_seq": message.get("frame_seq"), "chunk": message.get("chunk", [])},
+            "timing": {"frame_seq": message.get("frame_seq"), "status": message.get("status"),
+                       "ms": dict(message.get("timing_ms", {}))}}
 
 
 def image_schema(schema_name: str) -> tuple[str, str, bytes]:

@@ -38,10 +38,10 @@ from vla_node.drives.foxglove import (
     JSONSCHEMA,
     PROTOBUF,
     ImageDecoder,
-    derived_from_action,
     encode_image,
     encode_json,
     image_schema,
+    json_messages,
     json_schema,
 )
 from vla_node.validate import ConfigError, show
@@ -163,10 +163,8 @@ class DriveWriter:
         stamp_ns = _check_int("stamp_ns", stamp_ns, 0, (1 << 64) - 1)
         seq = header_map.get("seq", 0)
         sequence = int(seq) & SEQUENCE_MASK if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool) else 0
-        self._add_json(topic, stamp_ns, sequence, header_map)
-        if topic == "action":
-            for derived_topic, message in derived_from_action(header_map).items():
-                self._add_json(derived_topic, stamp_ns, sequence, message)
+        for channel_topic, message in json_messages(topic, header_map).items():
+            self._add_json(channel_topic, stamp_ns, sequence, message)
         self.messages_written += 1
 
     def add_metadata(self, name: str, data: Mapping[str, str]) -> None:

@@ -16,10 +16,10 @@ from vla_node.drives.foxglove import (
     JSON,
     JSONSCHEMA,
     PROTOBUF,
-    derived_from_action,
     encode_image,
     encode_json,
     image_schema,
+    json_messages,
     json_schema,
     layout,
 )
@@ -52,8 +52,7 @@ class LiveChannels:
         self._channel(f"frame/{camera}", image_schema(schema_name), PROTOBUF).log(data, log_time=stamp_ns)
 
     def add_message(self, topic: str, stamp_ns: int, header_map: Mapping[str, Any]) -> None:
-        messages = {topic: header_map, **(derived_from_action(header_map) if topic == "action" else {})}
-        for name, message in messages.items():
+        for name, message in json_messages(topic, header_map).items():
             schema_name, schema = json_schema(name)
             self._channel(name, (schema_name, JSONSCHEMA, schema), JSON).log(encode_json(message), log_time=stamp_ns)
 

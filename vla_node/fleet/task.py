@@ -44,11 +44,8 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpu = None
-    try:
-        gpu = Path("/proc/driver/nvidia/gpus").exists() and sorted(os.listdir("/proc/driver/nvidia/gpus")) or None
-    except OSError:
-        pass
+    gpus = Path("/proc/driver/nvidia/gpus")  # one folder per NVIDIA GPU, by PCI address
+    gpu = (sorted(p.name for p in gpus.iterdir()) or None) if gpus.is_dir() else None
     return {"host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(), "gpu": gpu}
 
 
