@@ -63,7 +63,7 @@ def test_report_has_exactly_the_documented_keys():
         "control_hz",
         "deadline_ms", "latency_ms", "control_jitter_ms", "deadline_misses", "status_counts", "degrade_levels",
         "vision_reuse_ratio", "kv_bytes", "startup_s", "head", "denoising_steps_mean", "chunk_boundaries",
-        "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation",
+        "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation", "stage_ms",
     }
     assert report["startup_s"] is None  # meta() names no node start
     assert report["head"] is None and report["denoising_steps_mean"] is None  # no head in health, no flow chunks
@@ -96,6 +96,43 @@ def test_chunk_continuity_separates_the_jump_at_a_boundary_from_the_chunks_own_s
     assert report["denoising_steps_mean"] == 8.333  # fresh chunks of 10, 5 and 10 steps (rounded to 3 places)
     empty = build_report([frame(0, 10.0)], ticks(3), meta(health={"head": "bins"}))
     assert empty["chunk_boundaries"] == 0 and empty["chunk_boundary_jump"] is None
+
+
+def test_stage_costs_are_counted_once_per_chunk_from_the_nodes_own_timing():
+    """Frame 0's chunk (vision 40, total 41 ms) played over three ticks counts once, frame 1's (vision 60 ms, with
+    a separate action stage of 8 ms) once; a fallback (no frame, no timing) not at all. p50/p99/max over the two
+    chunks, linear percentiles; the figures load back, print in the summary and compare."""
+    def tick(seq, frame_seq, status, timing):
+        stamp = T0 + seq * 20 * MS
+        return ActionRecord(stamp, stamp, seq, status, 0, frame_seq, None if frame_seq is None else stamp, timing,
+                            None, None, None)
+
+    first, second = {"vision": 40.0, "total": 41.0}, {"vision": 60.0, "action": 8.0, "total": 69.0}
+    records = [tick(0, 0, "fresh", first), tick(1, 0, "chunk", first), tick(2, 0, "chunk", first),
+               tick(3, 1, "chunk", second), tick(4, None, "fallback", {})]
+    report = build_report([frame(0, 10.0)], records, meta())
+    stages = report["stage_ms"]
+    assert set(stages) == {"vision", "total", "action"}
+    assert stages["vision"] == pytest.approx({"p50": 50.0, "p99": 59.8, "max": 60.0})
+    assert stages["action"] == {"p50": 8.0, "p99": 8.0, "max": 8.0}
+    assert "node ms per chunk" in format_summary(report) and "vision p50 50.0" in format_summary(report)
+    text, regressed = compare_reports(report, report, 10.0)
+    assert "node vision ms p99" in text and not regressed
+    assert build_report([frame(0, 10.0)], [], meta())["stage_ms"] == {}
+
+
+def test_a_report_without_stage_costs_still_loads_and_a_malformed_one_is_named(tmp_path):
+    report = build_report([frame(0, 10.0)], ticks(3, timing={"vision": 5.0}), meta())
+    older = {k: v for k, v in report.items() if k != "stage_ms"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(older))
+    assert "stage_ms" not in load_report(path)
+    text, _ = compare_reports(older, report, 10.0)
+    assert "node vision ms p50" in text
+    bad = dict(report, stage_ms={"vision": {"p50": 1.0, "p99": "slow", "max": 2.0}})
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ReportError, match="stage_ms.vision.p99"):
+        load_report(path)
 
 
 def test_latency_percentiles_match_hand_computed_values():

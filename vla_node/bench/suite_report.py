@@ -65,6 +65,9 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
                             ("control jitter ms p50 / p99 / max", " / ".join(
                                 str(rep["control_jitter_ms"][k]) for k in ("p50", "p99", "max"))),
                             ("deadline misses", rep["deadline_misses"]), ("startup s", rep.get("startup_s")),
+                            *((f"node's own {stage} ms per chunk p50 / p99 / max", " / ".join(
+                                str(v[k]) for k in ("p50", "p99", "max")))
+                              for stage, v in (rep.get("stage_ms") or {}).items()),
                             ("report", r["node"]["report_json"])])))
     bench = r.get("benchmarks") or {}
     if "engines" in bench:

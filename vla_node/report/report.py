@@ -41,8 +41,9 @@ NUMBER_KEYS = ("control_hz", "deadline_ms")
 NULLABLE_NUMBER_KEYS = ("vision_reuse_ratio",)
 # keys a report may lack (written by later versions: an older report still loads and compares)
 CONTINUITY_KEYS = ("chunk_boundaries", "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation")
-OPTIONAL_KEYS = ("startup_s", "head", "denoising_steps_mean", *CONTINUITY_KEYS)
-OPTIONAL_STRING_KEYS = ("head",)  # a string or null; the other optional keys are numbers or null
+OPTIONAL_KEYS = ("startup_s", "head", "denoising_steps_mean", *CONTINUITY_KEYS, "stage_ms")
+OPTIONAL_STRING_KEYS = ("head",)  # a string or null; stage_ms an object (below); the other optional keys numbers or null
+STAGE_FIGURES = ("p50", "p99", "max")  # stage_ms: stage -> these, over the frames the node decoded a chunk from
 
 
 class ReportError(ValueError):
@@ -161,6 +162,21 @@ def _percentiles(values_ms: np.ndarray, names: Sequence[str]) -> dict[str, float
     return out
 
 
+def stage_costs_ms(actions: Sequence[ActionRecord]) -> dict[str, dict[str, float | None]]:
+    """The node's own time per stage (its actions' timing_ms: text, vision, action, total), once per chunk: the
+    first action naming each frame_seq with a timing (a chunk's later steps repeat it; fallbacks have none)."""
+    seen: set[int] = set()
+    per_stage: dict[str, list[float]] = {}
+    for action in actions:
+        if action.frame_seq is None or action.frame_seq in seen or not action.timing_ms:
+            continue
+        seen.add(action.frame_seq)
+        for stage, ms in action.timing_ms.items():
+            per_stage.setdefault(stage, []).append(ms)
+    return {stage: _percentiles(np.asarray(values, dtype=np.float64), STAGE_FIGURES)
+            for stage, values in per_stage.items()}
+
+
 def frame_latencies_ns(frames: Sequence[FrameRecord]) -> tuple[np.ndarray, np.ndarray]:
     """(capture stamps, latency) in ns of processed frames that a fresh action named, in capture order."""
     pairs = sorted((f.stamp_ns, f.first_action_ns - f.stamp_ns)
@@ -256,6 +272,7 @@ def build_report(frames: Sequence[FrameRecord], actions: Sequence[ActionRecord],
         "head": meta.head,
         "denoising_steps_mean": round(float(np.mean(steps)), 3) if steps else None,
         **chunk_continuity(actions),
+        "stage_ms": stage_costs_ms(actions),
     }
 
 
@@ -340,6 +357,10 @@ def format_summary(report: Mapping[str, Any]) -> str:
                              f"deviation {_fmt(report.get('chunk_boundary_deviation'))} (within a chunk "
                              f"{_fmt(report.get('chunk_step_within'))})"),
     ]
+    stages = report.get("stage_ms") or {}
+    if stages:
+        rows.append(("node ms per chunk", ", ".join(f"{stage} p50 {_fmt(v['p50'], 1)} p99 {_fmt(v['p99'], 1)}"
+                                                    for stage, v in stages.items())))
     if report.get("head") == "flow":
         rows.append(("head / denoising steps", f"flow / {_fmt(report.get('denoising_steps_mean'), 2)} per chunk"))
     width = max(len(name) for name, _ in rows)
@@ -361,13 +382,15 @@ COMPARED = (
     ("startup s", ("startup_s",)),
     ("chunk boundary jump", ("chunk_boundary_jump",)),
     ("chunk boundary deviation", ("chunk_boundary_deviation",)),
+    *((f"node {stage} ms {k}", ("stage_ms", stage, k)) for stage in ("vision", "action", "total") for k in ("p50", "p99")),
 )
 
 
 def _get(report: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    optional = path[0] in OPTIONAL_KEYS  # absent from older reports, as a stage from stage_ms: None
     value: Any = report
     for key in path:
-        value = value.get(key) if key in OPTIONAL_KEYS else value[key]
+        value = (value or {}).get(key) if optional else value[key]
     return value
 
 
@@ -472,10 +495,18 @@ def load_report(path: str | os.PathLike) -> dict:
         _validate_value(name, key, value, is_int(value) and value >= 0, "an integer >= 0")
     for key in NUMBER_KEYS:
         _validate_value(name, key, report[key], is_number(report[key], finite=False), "a number")
-    numbers = [k for k in OPTIONAL_KEYS if k in report and k not in OPTIONAL_STRING_KEYS]
+    numbers = [k for k in OPTIONAL_KEYS if k in report and k not in (*OPTIONAL_STRING_KEYS, "stage_ms")]
     for key in (*NULLABLE_NUMBER_KEYS, *numbers):
         value = report[key]
         _validate_value(name, key, value, value is None or is_number(value, finite=False), "a number or null")
+    stages = report.get("stage_ms", {})
+    _validate_value(name, "stage_ms", stages, isinstance(stages, dict), "an object of stage -> figures")
+    for stage, figures in stages.items():
+        _validate_value(name, f"stage_ms.{stage}", figures, isinstance(figures, dict), "an object")
+        _validate_keys(name, figures, STAGE_FIGURES, f"stage_ms.{stage}.")
+        for k in STAGE_FIGURES:
+            _validate_value(name, f"stage_ms.{stage}.{k}", figures[k], figures[k] is None or is_number(figures[k]),
+                            "a number or null")
     levels = report["degrade_levels"]
     _validate_value(name, "degrade_levels", levels,
                     isinstance(levels, dict) and all(is_int(v) and v >= 0 for v in levels.values()),
