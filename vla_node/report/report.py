@@ -9,6 +9,7 @@ host, so frame capture stamps and action receive stamps compare directly.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,8 @@ def stage_costs_ms(actions: Sequence[ActionRecord]) -> dict[str, dict[str, float
             continue
         seen.add(action.frame_seq)
         for stage, ms in action.timing_ms.items():
-            per_stage.setdefault(stage, []).append(ms)
+            if math.isfinite(ms):  # strict JSON: a figure is a number or null
+                per_stage.setdefault(stage, []).append(ms)
     return {stage: _percentiles(np.asarray(values, dtype=np.float64), STAGE_FIGURES)
             for stage, values in per_stage.items()}
 
