@@ -10,6 +10,7 @@ emulates it, or from AVX2 down refuses the bf16 weight reorder altogether). The 
 from __future__ import annotations
 
 import os
+import platform
 
 # oneDNN's instruction sets, lowest first (its ONEDNN_MAX_CPU_ISA names), each with the /proc/cpuinfo flags it
 # needs on top of the set it extends (AVX2_VNNI and AVX512_CORE both extend AVX2)
@@ -78,6 +79,12 @@ def aten_capability_for(cpuinfo: str, env: str | None) -> str:
     if {"avx512vl", "avx512bw", "avx512dq", "fma"} <= flags:
         return "AVX512"
     return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
+def cpu_model() -> str:
+    """This machine's CPU model (/proc/cpuinfo's model name; where it has none, what the platform says)."""
+    return next((line.split(":", 1)[1].strip() for line in read_cpuinfo().splitlines()
+                 if line.startswith("model name")), platform.processor() or platform.machine())
 
 
 def read_cpuinfo() -> str:

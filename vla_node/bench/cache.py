@@ -235,7 +235,7 @@ def run(preset_name: str = "small", iters: int = 5, threads: int = 1, json_path:
 
 
 def _run(preset_name, iters, json_path, compute_dtype, dtype, deviation_frames, policy_frames, weights) -> dict:
-    from vla_node.bench.engines import cpu_model
+    from vla_node.backends.cpu_features import cpu_model
 
     started = time.monotonic_ns()
     config = preset(preset_name)

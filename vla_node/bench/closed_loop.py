@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vla_node.backends import cpu_features
 from vla_node.bench.clips import shared_clips
-from vla_node.bench.engines import cpu_model
 from vla_node.sim.metrics import aggregate
 from vla_node.validate import require
 
@@ -198,7 +198,7 @@ def run(json_path: str | None = None, checkpoints: str | None = None, minutes: f
     work.mkdir(parents=True, exist_ok=True)
     try:
         offline_frames, offline_source = _offline_frames(OFFLINE_FRAMES_PER_CLIP)
-        result = {"machine": {"cpu": cpu_model(), "python": platform.python_version()}, "minutes": minutes,
+        result = {"machine": {"cpu": cpu_features.cpu_model(), "python": platform.python_version()}, "minutes": minutes,
                   "seeds": list(seeds), "launch": str(SIM_LAUNCH), "offline_frames": offline_source, "heads": {}}
         for head in heads:
             checkpoint = checkpoint_for(root, head, progress).resolve()

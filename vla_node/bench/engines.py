@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -213,18 +212,12 @@ def run(preset_name: str = "small", iters: int = 10, threads: int = 1, json_path
     result = {"preset": preset_name, "threads": threads, "iters": iters, "steps": steps,
               "eager_default_frame_ms": eager_ms, "rss_mb": memory,
               "flow": _flow_figures({b: timed[b] for b in flow_names}, counts, steps["tick"], flow_config),
-              "cpu": cpu_model(), "kernels": cpu_features.describe(), "torch": torch.__version__,
+              "cpu": cpu_features.cpu_model(), "kernels": cpu_features.describe(), "torch": torch.__version__,
               "targets": _targets(steps, eager_ms)}
     print(table(result))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def cpu_model() -> str:
-    info = cpu_features.read_cpuinfo()
-    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.processor() or platform.machine())
 
 
 def _flow_figures(timed: dict, counts: tuple[int, int], bins_tick: dict, c: ModelConfig) -> dict:

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+from vla_node.backends import cpu_features
 from vla_node.bench.node import handshake, tick_figures
 from vla_node.bench.soak_client import SETTLE_S, STATUS, SoakClient, camera_frames
 from vla_node.bench.soak_figures import (
@@ -228,7 +229,7 @@ def figures(soak: SoakClient, final: dict, settled: bool, config: NodeConfig, se
                  "status_counts": last["control"].get("status_counts"), "settled": settled},
         "targets": TARGETS,
         "context": {"seconds": seconds, "control_hz": round(1e9 / period_ns, 3), "model": _model_name(config),
-                    "cpu": _cpu_model(), "cpus": os.cpu_count()},
+                    "cpu": cpu_features.cpu_model(), "cpus": os.cpu_count()},
     }
     publisher = _samples(during, "publisher_rss_bytes")  # a node whose publisher runs in a process of its own
     if publisher:
@@ -246,12 +247,4 @@ def _model_name(config: NodeConfig) -> str:
     return f"{shapes.name} ({config.model.resolved_dtype}, {config.model.backend})"
 
 
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 

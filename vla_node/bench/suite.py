@@ -37,7 +37,6 @@ import torch
 from vla_node.backends import cpu_features
 from vla_node.bench import per_frame
 from vla_node.bench.clips import CLIP_FPS, default_clip
-from vla_node.bench.engines import cpu_model
 from vla_node.bench.suite_report import markdown, render_html
 from vla_node.config import default_launch, load_launch
 from vla_node.validate import require
@@ -62,7 +61,7 @@ def versions() -> dict[str, str]:
 def header(threads: int) -> dict:
     """What ran where: CPU model and flags, the kernels oneDNN and ATen pick, threads, versions, GPU."""
     flags = cpu_features.cpu_flags(cpu_features.read_cpuinfo())
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "flags": [f for f in FLAGS_SHOWN if f in flags],
+    return {"cpu": cpu_features.cpu_model(), "cpus": os.cpu_count(), "flags": [f for f in FLAGS_SHOWN if f in flags],
             "kernels": cpu_features.describe(), "bf16_hardware": cpu_features.onednn_runs_bf16(),
             "threads": threads, "versions": versions(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vla_node.backends.cpu_features import cpu_model
 from vla_node.fleet.jobs import Job
 
 ROWS = "rows"  # OUT/rows/<job>.json: one row per finished job (ok or failed)
@@ -36,17 +36,9 @@ class Replay:
 
 def machine() -> dict[str, Any]:
     """The machine a job runs on: host, CPU model, GPU (if torch sees one, without importing torch here)."""
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     gpus = Path("/proc/driver/nvidia/gpus")  # one folder per NVIDIA GPU, by PCI address
     gpu = (sorted(p.name for p in gpus.iterdir()) or None) if gpus.is_dir() else None
-    return {"host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(), "gpu": gpu}
+    return {"host": socket.gethostname(), "cpu": cpu_model(), "cpus": os.cpu_count(), "gpu": gpu}
 
 
 def write_json(path: Path, data: Any) -> None:
