@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vla_node.report.html import STYLE, _e
+from vla_node.report.report import grew_beyond, percent_change
 from vla_node.validate import ConfigError, is_number, require
 
 DISTRIBUTED = ("latency_p50_ms", "latency_p99_ms", "deadline_misses", "jitter_p99_ms", "reuse_ratio")
@@ -130,15 +131,15 @@ def compare_fleets(base: Mapping[str, Any], new: Mapping[str, Any], max_regressi
             continue
         fa, fb = a["figures"], b["figures"]
         p99a, p99b = fa["latency_p99_ms"], fb["latency_p99_ms"]
-        change = "n/a" if p99a is None or p99b is None else f"{(p99b - p99a) / p99a * 100:+.1f}%" if p99a else "new"
+        change = percent_change(p99a, p99b)
         deviation, frames = action_deviation(a, b)
         lines.append(f"{job:<32} {_num(p99a):>9} {_num(p99b):>9} {change:>8} "
                      f"{fa['deadline_misses']:>4}->{fb['deadline_misses']:<4} "
                      f"{'-' if deviation is None else f'{deviation:.4f} ({frames})':>11}")
-        if p99a is not None and (p99b is None or p99b > p99a * (1 + pct / 100)):
+        if p99a is not None and (p99b is None or grew_beyond(p99a, p99b, pct)):
             regressions.append(f"{job}: p99 latency {_num(p99a)} -> {_num(p99b)} ms (bound {pct:g}%)")
         ma, mb = fa["deadline_misses"], fb["deadline_misses"]
-        if (mb > ma) if ma == 0 else mb > ma * (1 + pct / 100):
+        if grew_beyond(ma, mb, pct):
             regressions.append(f"{job}: deadline misses {ma} -> {mb}" + (" (any increase from 0)" if ma == 0 else
                                                                         f" (bound {pct:g}%)"))
         if max_action_deviation is not None and deviation is not None and deviation > max_action_deviation:

@@ -43,7 +43,8 @@ NULLABLE_NUMBER_KEYS = ("vision_reuse_ratio",)
 # keys a report may lack (written by later versions: an older report still loads and compares)
 CONTINUITY_KEYS = ("chunk_boundaries", "chunk_boundary_jump", "chunk_step_within", "chunk_boundary_deviation")
 OPTIONAL_KEYS = ("startup_s", "head", "denoising_steps_mean", *CONTINUITY_KEYS, "stage_ms")
-OPTIONAL_STRING_KEYS = ("head",)  # a string or null; stage_ms an object (below); the other optional keys numbers or null
+OPTIONAL_STRING_KEYS = ("head",)  # a string or null; stage_ms an object (below); the other optional keys are
+                                  # numbers or null
 STAGE_FIGURES = ("p50", "p99", "max")  # stage_ms: stage -> these, over the frames the node decoded a chunk from
 
 
@@ -384,7 +385,8 @@ COMPARED = (
     ("startup s", ("startup_s",)),
     ("chunk boundary jump", ("chunk_boundary_jump",)),
     ("chunk boundary deviation", ("chunk_boundary_deviation",)),
-    *((f"node {stage} ms {k}", ("stage_ms", stage, k)) for stage in ("vision", "action", "total") for k in ("p50", "p99")),
+    *((f"node {stage} ms {k}", ("stage_ms", stage, k)) for stage in ("vision", "action", "total")
+      for k in ("p50", "p99")),
 )
 
 
@@ -396,7 +398,7 @@ def _get(report: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
-def _change(a: Any, b: Any) -> str:
+def percent_change(a: Any, b: Any) -> str:
     if a is None or b is None:
         return "n/a"
     if a == b:
@@ -406,7 +408,7 @@ def _change(a: Any, b: Any) -> str:
     return f"{(b - a) / abs(a) * 100:+.1f}%"
 
 
-def _grew_beyond(a: float, b: float, pct: float) -> bool:
+def grew_beyond(a: float, b: float, pct: float) -> bool:
     """b exceeds a by more than pct percent; from a == 0 any increase counts."""
     return b > a if a == 0 else b > a * (1 + pct / 100)
 
@@ -421,7 +423,7 @@ def compare_reports(a: Mapping[str, Any], b: Mapping[str, Any], max_regression_p
     rows = [("figure", "a", "b", "change")]
     for label, path in COMPARED:
         va, vb = _get(a, path), _get(b, path)
-        rows.append((label, _fmt(va), _fmt(vb), _change(va, vb)))
+        rows.append((label, _fmt(va), _fmt(vb), percent_change(va, vb)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [f"a: {a['drive']} ({a['model']}, {a['backend']})", f"b: {b['drive']} ({b['model']}, {b['backend']})"]
     lines += [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}" for r in rows]
@@ -430,11 +432,12 @@ def compare_reports(a: Mapping[str, Any], b: Mapping[str, Any], max_regression_p
     p99_a, p99_b = a["latency_ms"]["p99"], b["latency_ms"]["p99"]
     if p99_a is not None and p99_b is None:
         reasons.append(f"p99 latency {_fmt(p99_a)} ms -> none (no fresh action named a processed frame)")
-    elif p99_a is not None and _grew_beyond(p99_a, p99_b, pct):
-        reasons.append(f"p99 latency {_fmt(p99_a)} -> {_fmt(p99_b)} ms ({_change(p99_a, p99_b)}, bound {pct:g}%)")
+    elif p99_a is not None and grew_beyond(p99_a, p99_b, pct):
+        reasons.append(f"p99 latency {_fmt(p99_a)} -> {_fmt(p99_b)} ms ({percent_change(p99_a, p99_b)}, "
+                       f"bound {pct:g}%)")
     misses_a, misses_b = a["deadline_misses"], b["deadline_misses"]
-    if _grew_beyond(misses_a, misses_b, pct):
-        reasons.append(f"deadline misses {misses_a} -> {misses_b} ({_change(misses_a, misses_b)}, "
+    if grew_beyond(misses_a, misses_b, pct):
+        reasons.append(f"deadline misses {misses_a} -> {misses_b} ({percent_change(misses_a, misses_b)}, "
                        f"bound {pct:g}%" + (", any increase from 0)" if misses_a == 0 else ")"))
     if reasons:
         lines.append("REGRESSED: " + "; ".join(reasons))
