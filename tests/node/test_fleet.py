@@ -97,8 +97,10 @@ def test_an_interrupted_shard_resumes_with_only_what_was_missing(tmp_path, drive
     command = [sys.executable, "-m", "vla_node.cli", "fleet", "shard", str(drives / "drive0.mcap"),
                str(drives / "drive1.mcap"), str(drives / "drive2.mcap"), "--launch", str(TINY_LAUNCH), "--out",
                str(out), "--index", "0", "--count", "1", "--no-progress"]
+    # Ctrl-C's default action in the shard whatever the runner's (a shell's background job starts with SIGINT
+    # ignored, and an ignored signal stays ignored across exec)
     run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = out / "rows" / "drive0-r0.json"
     deadline = time.monotonic() + 120
     while not first.exists() and time.monotonic() < deadline and run.poll() is None:
