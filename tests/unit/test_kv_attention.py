@@ -15,6 +15,7 @@ from vla_node.kv.attention import (
     GatherWorkspace,
     Segment,
     attention_mass,
+    buffer_attention,
     dense_attention,
     gather_attention,
     merge_state,
@@ -139,6 +140,32 @@ def test_bf16_segmented_and_gather_track_fp32():
     assert out_b.dtype == torch.bfloat16 and gat_b.dtype == torch.bfloat16
     assert float((out_b.float() - ref).abs().max()) < 0.05
     assert float((gat_b.float() - ref).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.03)])
+def test_the_fused_kernel_equals_the_matmuls_with_masks_biases_gqa_and_empty_rows(dtype, tol):
+    """buffer_attention on torch's SDPA (fused=True, what an AMX CPU runs) against its two matmuls and softmax, and
+    both against the fp32 oracle: grouped heads, masked slots, log(count) biases, a row with nothing to attend
+    (zeros), through gather_attention's workspace too."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 6, 16, generator=g)
+    k, v = torch.randn(2, 30, 16, generator=g), torch.randn(2, 30, 16, generator=g)
+    bias = torch.rand(6, 30, generator=g).log1p()  # merged tokens' log(count)-like biases
+    bias[:, 25:] = float("-inf")
+    bias[4] = float("-inf")  # row 4 may attend to nothing
+    oracle = dense_attention(q, k, v, None, bias)
+    qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+    fused = buffer_attention(qd, kd, vd, bias, fused=True)
+    plain = buffer_attention(qd, kd, vd, bias)
+    assert fused.dtype == dtype and fused.shape == (8, 6, 16) and not fused.isnan().any()
+    assert float(fused[:, 4].abs().max()) == 0.0
+    for out in (fused, plain):
+        assert float((out.float() - oracle).abs().max()) < tol
+    ws = GatherWorkspace(2, 16, 30, 6, dtype, fused=True)
+    segs = [Segment(kd[:, :25], vd[:, :25], None, bias[:, :25]), Segment(kd[:, 25:], vd[:, 25:], bias[0, 25:] == 0)]
+    assert float((gather_attention(qd, segs, ws).float() - oracle).abs().max()) < tol
+    assert torch.equal(buffer_attention(qd, kd, vd, None, fused=True).float(),
+                       buffer_attention(qd, kd, vd, torch.zeros(6, 30), fused=True).float())  # no bias = a zero one
 
 
 def test_gather_workspace_is_reused_and_checked():

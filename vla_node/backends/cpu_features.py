@@ -69,6 +69,12 @@ def onednn_runs_bf16_for(cpuinfo: str, max_isa: str | None) -> bool:
     return isa is not None and ONEDNN_ISAS.index(isa) >= ONEDNN_ISAS.index(BF16_ISA)
 
 
+def onednn_runs_amx_for(cpuinfo: str, max_isa: str | None) -> bool:
+    """Whether oneDNN multiplies bf16 on AMX tiles with this CPU and ONEDNN_MAX_CPU_ISA."""
+    isa = onednn_isa_for(cpuinfo, max_isa)
+    return isa is not None and ONEDNN_ISAS.index(isa) >= ONEDNN_ISAS.index("AVX512_CORE_AMX")
+
+
 def aten_capability_for(cpuinfo: str, env: str | None) -> str:
     """torch's CPU capability ('DEFAULT', 'AVX2', 'AVX512') on an x86-64 CPU, as ATen picks it: the
     ATEN_CPU_CAPABILITY value `env` when it is one of 'default', 'avx2', 'avx512' (exactly; torch ignores any other),
@@ -110,6 +116,11 @@ def onednn_isa() -> str | None:
 def onednn_runs_bf16() -> bool:
     """Whether oneDNN multiplies bf16 in hardware on this machine, as this process's environment limits it."""
     return onednn_runs_bf16_for(read_cpuinfo(), onednn_max_isa_env())
+
+
+def onednn_runs_amx() -> bool:
+    """Whether oneDNN multiplies bf16 on AMX tiles on this machine, as this process's environment limits it."""
+    return onednn_runs_amx_for(read_cpuinfo(), onednn_max_isa_env())
 
 
 def aten_capability() -> str:

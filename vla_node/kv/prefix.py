@@ -12,6 +12,7 @@ Layout per layer, over `total` = P + S + N slots:
     [P, P + S)      the state ring, copied per layer by the block (S slots, fp32 or converted)
     [P + S, total)  the block being decoded (up to N tokens)
 bias [N, total] fp32: 0 (or a segment's log(count)) where a row may attend, -inf where it may not.
+`fused`: buffer_attention's kernel (torch's SDPA; where it pays, see runtime/policy.fused_attention_pays).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from vla_node.kv.partition import KVPartition
 
 class PrefixBuffer:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, prefix_tokens: int, state_slots: int,
-                 block_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 block_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 fused: bool = False) -> None:
         self.prefix_tokens, self.state_slots, self.block_tokens = prefix_tokens, state_slots, block_tokens
+        self.fused = fused
         total = prefix_tokens + state_slots + block_tokens
         self.k = torch.zeros(n_layers, n_kv_heads, total, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -109,4 +112,4 @@ class PrefixBuffer:
         self.k[layer, :, p + s : end].copy_(k)
         self.v[layer, :, p + s : end].copy_(v)
         return buffer_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], self.bias[:n, :end],
-                                check_empty=self._may_be_empty)
+                                check_empty=self._may_be_empty, fused=self.fused)

@@ -44,6 +44,15 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return torch.matmul(torch.softmax(logits, dim=-1).to(v.dtype), v)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax_attention as torch's SDPA computes it (its flash kernel, fp32 logits): on a CPU with AMX, bf16, 1.7x
+    (69 query rows) to 3.8x (196) faster at the tower's shapes, and nearer the exact value. 3-D inputs get a batch
+    dim: SDPA runs only 4-D ones on its flash kernel (3-D on its matmul path: 3.6x slower here)."""
+    if q.dim() == 3:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # [H, n, hd] -> [1, H, n, hd] and back
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 class SiglipAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

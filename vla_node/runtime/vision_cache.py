@@ -142,15 +142,18 @@ def _stage_rows(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: t
 class VisionTokenCache:
     def __init__(self, tower: VisionTower, num_cameras: int, dtype: torch.dtype = torch.float32, *,
                  attend_all: bool = True, fresh_embeddings: bool = False, drift_threshold: float | None = None,
-                 layer_budget: float | None = None, shared_drift_samples: int = 0) -> None:
+                 layer_budget: float | None = None, shared_drift_samples: int = 0,
+                 attention: Callable = softmax_attention) -> None:
         """attend_all: reused tokens recompute their attention over every token's current K/V (and out_proj);
         fresh_embeddings: reused tokens' patch embeddings follow the current pixels;
         drift_threshold: per layer, also recompute tokens whose input (and, for the MLP, whose MLP input) moved more
         than this (relative L2) since they were last recomputed there (None = only the gate's tokens);
         layer_budget: per layer, recompute this many times the gate's tokens: the most drifted others too;
         shared_drift_samples: per layer, recompute this many evenly spaced reused tokens too and move every reused
-        token's cached Q/K/V, attention and MLP updates by their mean change (then reused tokens skip attention)."""
-        self.tower = tower
+        token's cached Q/K/V, attention and MLP updates by their mean change (then reused tokens skip attention);
+        attention: q [H, n, hd] over k, v [H, T, hd] -> [H, n, hd] (softmax_attention, or vision.fused_attention
+        where it pays)."""
+        self.tower, self.attention = tower, attention
         self.shared_drift_samples = shared_drift_samples
         self.attend_all, self.fresh_embeddings, self.drift_threshold = attend_all, fresh_embeddings, drift_threshold
         self.layer_budget = layer_budget
@@ -263,10 +266,10 @@ class VisionTokenCache:
             _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
         if full or (self.attend_all and not self.shared_drift_samples):
-            attn = softmax_attention(sq, sk, sv)  # [H, T, hd]
+            attn = self.attention(sq, sk, sv)  # [H, T, hd]
             sa.copy_(a.out_proj(attn.transpose(0, 1).reshape(T, W)))  # [H, T, hd] -> [T, W]
         else:
-            attn = softmax_attention(q, sk, sv)  # [H, n, hd]
+            attn = self.attention(q, sk, sv)  # [H, n, hd]
             new = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
             shift_reused(sa, live["attn_out"][i], new, rows, sample, 0, at, self._wide)
         x.add_(sa)
