@@ -209,3 +209,56 @@ def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf
         results.append((chunk.logits, policy._frame_tokens.k.clone(), policy._frame_tokens.q.clone()))
     for name, a, b in zip(("logits", "k", "q"), *results):
         assert_within(a.float(), b.float(), 2 * config.num_layers * bf16_ulp(b), name)
+
+
+@needs_packed
+@pytest.mark.parametrize("shape", [(48,), (5, 48), (16, 48), (2, 9, 48), (33, 48)])
+def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch, shape):
+    """Rows padded up to a bucket (as on an AMX CPU; forced here on any CPU that packs): each matmul, the fused
+    MLPs and the q|k|v projection return exactly their rows' results, in the input's leading shape, against the same
+    modules unbucketed (the same kernel family, so one bf16 step at most where oneDNN blocks the padded rows
+    otherwise); the padding goes through one scratch buffer, not a new one a call."""
+    from vla_node.backends import packed_weights
+
+    model = use_packed_weights(build_vla(preset("tiny"), seed=5).to(torch.bfloat16))
+    layer = model.decoder.model.layers[0]
+    width = model.config.hidden_size
+    x = torch.randn(*shape[:-1], width).to(torch.bfloat16)
+    matmuls = {"q_proj": layer.self_attn.q_proj, "qkv": layer.self_attn.__dict__["qkv"], "swiglu": layer.mlp,
+               "projector": model.projector}
+    inputs = {"projector": torch.randn(*shape[:-1], model.config.vision_width).to(torch.bfloat16)}
+    n = x.numel() // width
+    with torch.inference_mode():
+        for matmul in matmuls.values():
+            monkeypatch.setattr(packed_weights._row_buckets(matmul), "step", 1)
+        plain = {name: m(inputs.get(name, x)) for name, m in matmuls.items()}
+        for name, matmul in matmuls.items():
+            rows = packed_weights._row_buckets(matmul)
+            monkeypatch.setattr(rows, "step", 8)
+            got = matmul(inputs.get(name, x))
+            assert got.shape == plain[name].shape and got.dtype == torch.bfloat16, name
+            assert_within(got.float(), plain[name].float(), bf16_ulp(plain[name]), name)
+            scratch = rows._scratch
+            assert scratch.shape[0] == (0 if n % 8 == 0 else -(-n // 8) * 8), name  # padded to the bucket, or not
+            matmul(inputs.get(name, x))
+            assert rows._scratch is scratch, name  # kept between calls
+
+
+@needs_packed
+def test_warm_row_buckets_compiles_every_bucket_once_and_nothing_where_rows_are_not_bucketed(monkeypatch):
+    from vla_node.backends import packed_weights
+
+    model = use_packed_weights(build_vla(preset("tiny"), seed=5).to(torch.bfloat16))
+    matmuls = [m for m in model.modules() if isinstance(m, (packed_weights.PackedSwiGLU, packed_weights.PackedGeluMLP))]
+    alone = [m for m in model.modules() if isinstance(m, PackedLinear)
+             and not any(m is child for mlp in matmuls for child in mlp.children())]
+    qkv = [layer.self_attn.__dict__["qkv"] for layer in model.decoder.model.layers]
+    for rows in (packed_weights._row_buckets(m) for m in matmuls + alone + qkv):
+        monkeypatch.setattr(rows, "step", 1)
+    assert packed_weights.warm_row_buckets(model, 40) == 0  # not bucketed: nothing to compile
+    for rows in (packed_weights._row_buckets(m) for m in matmuls + alone + qkv):
+        monkeypatch.setattr(rows, "step", 16)
+    calls = []
+    monkeypatch.setattr(packed_weights.PackedQKV, "forward", lambda self, x: calls.append(x.shape[0]))
+    assert packed_weights.warm_row_buckets(model, 40) == 3 * (len(matmuls) + len(alone) + len(qkv))  # 16, 32, 48
+    assert calls == [16, 32, 48] * len(qkv)

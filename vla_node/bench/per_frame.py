@@ -104,6 +104,7 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     ours_config = compute_config(config, dtype)
     torch_dtype = dtype_named(ours_config.model.resolved_dtype)
     policy, _, _ = build_policies(ours_config)
+    policy.compile_kernels()  # as the node's warm-up does
     c = policy.config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     int8 = EnginePolicy(plain, engine_set(config, plain, "onnxruntime", "int8-ort", build=True), config.cache,
@@ -165,7 +166,8 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
         eager["fp32"] = compute_config(config, "fp32")
     backends: dict[str, MultiRatePolicy] = {}
     for key, node_config in eager.items():
-        backends[f"torch {path_name(node_config)}"] = build_policies(node_config)[0]
+        backends[f"torch {path_name(node_config)}"] = policy = build_policies(node_config)[0]
+        policy.compile_kernels()  # as the node's warm-up does
     c = next(iter(backends.values())).config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     for recipe in ("fp32", "int8-ort"):

@@ -22,7 +22,8 @@ def warm_up(policies: dict[str, MultiRatePolicy], instruction: str, state: np.nd
     """Run each policy's stages (key prefix -> policy, e.g. {"": main, "small_": smaller}) once untimed (first calls
     pay one-off costs: allocator growth, CUDA's lazy kernel and library loading, hundreds of ms on a GPU), then
     `rounds` times timed; a stage's prior (ms) is its slowest timed run. The vision stage runs as the node's frames
-    run it: resize, then the update with its tick where the policy can decode it there."""
+    run it: resize, then the update with its tick where the policy can decode it there. First every policy's packed
+    matmuls compile their row-bucket kernels (MultiRatePolicy.compile_kernels)."""
     if not (isinstance(rounds, int) and rounds >= 1):
         raise ValueError(f"warm-up rounds = {rounds!r}: expected an integer >= 1")
     rng = np.random.default_rng(seed)
@@ -37,6 +38,10 @@ def warm_up(policies: dict[str, MultiRatePolicy], instruction: str, state: np.nd
             priors[key] = max(priors.get(key, 0.0), (time.perf_counter_ns() - t0) / 1e6)
 
     for prefix, policy in policies.items():
+        t0 = time.perf_counter_ns()
+        if compiled := policy.compile_kernels():
+            log.info("%spolicy: %d row-bucket kernels of its packed matmuls compiled in %.2f s", prefix, compiled,
+                     (time.perf_counter_ns() - t0) / 1e9)
         cameras = policy.config.num_cameras
         c = policy.config
         flow = {"guide": ChunkGuide(torch.zeros(c.action_horizon, c.action_dims), 1, c.action_horizon)} if guided \

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.cpu_features import onednn_runs_amx
+from vla_node.backends.packed_weights import warm_row_buckets
 from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.kv.partition import KVPartition, PartitionSpec, resolve_device
@@ -666,6 +667,13 @@ class MultiRatePolicy:
             self._logits[i].copy_(m.decoder.logits(h)[0])
             bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
         return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]
+
+    def compile_kernels(self) -> int:
+        """Compile every packed matmul's row-bucket kernels up to the most rows a stage runs (a frame's tokens with
+        the tick's block), as the node's warm-up does, so that no frame pays for one (packed_weights.RowBuckets; a
+        no-op elsewhere). Returns the kernels compiled."""
+        c = self.config
+        return warm_row_buckets(self.model, c.tokens_per_frame + c.state_slots + c.action_tokens)
 
     # --- accounting -----------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:
