@@ -64,6 +64,11 @@ def packed_kernels_run() -> bool:
     return y.shape == (3, 8) and bool((y == 16).all())  # sums of 16 ones: exact in bf16
 
 
+def bucket_step() -> int:
+    """Rows per bucket of the packed matmuls in this process: ROW_BUCKET where oneDNN runs AMX, else 1 (unpadded)."""
+    return ROW_BUCKET if cpu_features.onednn_runs_amx() else 1
+
+
 class RowBuckets:
     """A packed matmul's input rows padded up to a multiple of ROW_BUCKET where oneDNN runs AMX (module docstring),
     through a scratch buffer kept between calls (grown to the largest bucket seen; rows past the input's are stale
@@ -71,7 +76,7 @@ class RowBuckets:
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self.step = ROW_BUCKET if cpu_features.onednn_runs_amx() else 1
+        self.step = bucket_step()
         self._scratch = torch.zeros(0, width, dtype=torch.bfloat16)
 
     def buckets(self, max_rows: int) -> range:

@@ -15,7 +15,7 @@ a shared machine hits every one alike:
     fp32 reference the oracle of every accuracy figure (full recompute, fp32, plain weights)
 
 Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
-path that ran (dtype and linear-weight format). speedup_vs_hf = peer ms / ours ms (medians over the frames after the
+path that ran (dtype, linear-weight format, and with AMX the SDPA attention and the packed matmuls' row buckets). speedup_vs_hf = peer ms / ours ms (medians over the frames after the
 first, which is a full refresh for every contender).
 
 The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refreshed token count: peer_over_floor is
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.loading import load_model
+from vla_node.backends.packed_weights import bucket_step
 from vla_node.bench.floor import measure_floor
 from vla_node.bench.model import hf_peer
 from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
@@ -46,7 +47,7 @@ from vla_node.model.action_head import ActionChunk
 from vla_node.node.policies import build_policies, engine_set
 from vla_node.progress import Progress
 from vla_node.runtime.engine_policy import EnginePolicy
-from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.policy import MultiRatePolicy, fused_attention_pays
 from vla_node.runtime.reference import ReferencePolicy
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -85,9 +86,17 @@ def _weight_bytes(config: NodeConfig) -> int:
 
 
 def path_name(config: NodeConfig) -> str:
-    """The path that ran: compute dtype and linear-weight format."""
+    """The path that ran: compute dtype and linear-weight format, and where the CPU's AMX changes the kernels, the
+    attention on torch's SDPA (policy.fused_attention_pays) and the packed matmuls' rows padded to buckets
+    (packed_weights.RowBuckets)."""
     s = config.model
-    return f"{s.resolved_dtype} compute, {s.weight_format} weights"
+    dtype = dtype_named(s.resolved_dtype)
+    parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
+    if fused_attention_pays(dtype, torch.device(s.device)):
+        parts.append("SDPA attention")
+    if s.weight_format == "packed" and bucket_step() > 1:
+        parts.append(f"rows padded to {bucket_step()}")
+    return ", ".join(parts)
 
 
 def accuracy(chunks: list[ActionChunk], oracle: list[ActionChunk]) -> dict:
