@@ -262,3 +262,23 @@ def test_warm_row_buckets_compiles_every_bucket_once_and_nothing_where_rows_are_
     monkeypatch.setattr(packed_weights.PackedQKV, "forward", lambda self, x: calls.append(x.shape[0]))
     assert packed_weights.warm_row_buckets(model, 40) == 3 * (len(matmuls) + len(alone) + len(qkv))  # 16, 32, 48
     assert calls == [16, 32, 48] * len(qkv)
+
+
+def test_a_recurring_row_count_runs_unpadded_from_its_third_use_and_at_most_max_exact_do():
+    """RowBuckets alone (no oneDNN needed): a row count is padded PROMOTE_AFTER times, then passed through as it is
+    (its kernel compiled once); only MAX_EXACT counts are, the rest stay padded."""
+    from vla_node.backends import packed_weights
+
+    rows = packed_weights.RowBuckets(4)
+    rows.step = 8
+    x = torch.ones(5, 4, dtype=torch.bfloat16)
+    padded = [rows.pad(x) is not x for _ in range(packed_weights.PROMOTE_AFTER + 2)]
+    assert padded == [True] * packed_weights.PROMOTE_AFTER + [False, False] and rows.exact == {5}
+    assert rows.pad(torch.ones(8, 4, dtype=torch.bfloat16)).shape == (8, 4)  # a full bucket: never padded
+    for n in range(9, 9 + 2 * packed_weights.MAX_EXACT):  # more counts than the cap, each recurring
+        for _ in range(packed_weights.PROMOTE_AFTER + 1):
+            rows.pad(torch.ones(n, 4, dtype=torch.bfloat16))
+    assert len(rows.exact) == packed_weights.MAX_EXACT
+    late = torch.ones(8 * 5 + 1, 4, dtype=torch.bfloat16)
+    assert all(rows.pad(late).shape == (48, 4) for _ in range(5))  # past the cap: padded however often it comes
+    assert rows.pad(torch.ones(3, 4)).dtype == torch.float32  # not bf16: left for the primitive to name

@@ -16,12 +16,14 @@ add in another order (AMX does at some shapes) and a sum on the edge between two
 one. Where oneDNN would only emulate bf16 (`ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16) or refuse it (below
 AVX-512), `packed_weights_available` says no.
 
-On a CPU whose oneDNN runs AMX, every packed matmul pads its rows up to a multiple of ROW_BUCKET. oneDNN compiles a
-kernel per row count on first use (a 512 -> 1536 matmul: 1.65 ms a call over 197 new row counts, 0.24 ms for the
-same again, on a Xeon with AMX, one thread) and keeps 1024 in its cache; a reuse frame's row counts change from frame
-to frame (the refreshed tokens), so the node kept compiling. With the rows bucketed every matmul has at most
-max_rows / 16 shapes, all compiled by warm_row_buckets at start. The tile unit multiplies 16 rows at a time anyway, so
-the padding costs one copy of the input; its rows' results are dropped (rows are independent).
+On a CPU whose oneDNN runs AMX, a packed matmul pads its rows up to a multiple of ROW_BUCKET unless the row count
+recurs. oneDNN compiles a kernel per row count on first use (a 512 -> 1536 matmul: 1.65 ms a call over 197 new row
+counts, 0.24 ms for the same again, on a Xeon with AMX, one thread) and keeps 1024 in its cache; a reuse frame's row
+counts change from frame to frame (the refreshed tokens), so a run kept compiling: 30 clip frames took 61.3 ms each
+unpadded against 45.2 ms padded (warm_row_buckets compiles every bucket at start). Padding costs a copy and a larger
+product, so row counts that recur (a full frame's, a tick's block, the K/V of every token) run unpadded from their
+third use (at most MAX_EXACT per matmul): the same frames a second time 39.9 ms unpadded, 42.0 ms all padded; a tick
+10.9 against 12.0 ms. A padded row's result is dropped (rows are independent).
 
 The plain weights stay in the modules as parameters, so a packed model still saves, loads and deep-copies as before;
 its dtype and device are fixed (bf16 on the CPU): convert before packing, not after.
@@ -41,6 +43,8 @@ from vla_node.model.vision import SiglipMLP
 
 BATCH_HINT = 196  # rows oneDNN packs for (a camera's tokens); any row count works
 ROW_BUCKET = 16  # with AMX, rows are padded up to a multiple of this (the tile's rows)
+PROMOTE_AFTER = 2  # uses of a row count padded before it runs unpadded (its kernel compiled then, once)
+MAX_EXACT = 8  # row counts per matmul that run unpadded: the recurring ones
 
 
 def packed_weights_available() -> bool:
@@ -70,14 +74,16 @@ def bucket_step() -> int:
 
 
 class RowBuckets:
-    """A packed matmul's input rows padded up to a multiple of ROW_BUCKET where oneDNN runs AMX (module docstring),
-    through a scratch buffer kept between calls (grown to the largest bucket seen; rows past the input's are stale
-    and their results dropped)."""
+    """A packed matmul's input rows padded up to a multiple of ROW_BUCKET where oneDNN runs AMX, but for the row
+    counts that recur (module docstring), through a scratch buffer kept between calls (grown to the largest bucket
+    seen; rows past the input's are stale and their results dropped)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
         self.step = bucket_step()
         self._scratch = torch.zeros(0, width, dtype=torch.bfloat16)
+        self.exact: set[int] = set()  # row counts that run unpadded
+        self._uses: list[int] = []  # per row count, the times it was padded (grown on demand)
 
     def buckets(self, max_rows: int) -> range:
         return range(self.step, -(-max_rows // self.step) * self.step + 1, self.step)
@@ -86,8 +92,15 @@ class RowBuckets:
         """x [..., width] -> itself where its rows fill buckets, else [bucket rows, width] with x's rows first."""
         n = x.numel() // self.width
         bucket = -(-n // self.step) * self.step
-        if bucket == n or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if bucket == n or n in self.exact or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return x  # (a wrong input goes on to the primitive, which names it)
+        if len(self.exact) < MAX_EXACT:
+            if n >= len(self._uses):
+                self._uses.extend([0] * (bucket - len(self._uses)))
+            self._uses[n] += 1
+            if self._uses[n] > PROMOTE_AFTER:
+                self.exact.add(n)
+                return x
         if self._scratch.shape[0] < bucket:
             self._scratch = torch.zeros(bucket, self.width, dtype=torch.bfloat16)
         rows = self._scratch[:bucket]
