@@ -230,8 +230,6 @@ class NodeTransport:
                 self.commands_sub = self._open(zmq.SUB, config.commands, curve, bind=False)
                 for topic in COMMAND_TOPICS:
                     self.commands_sub.setsockopt(zmq.SUBSCRIBE, topic)
-                self._watched = [_HandshakeWatch(sub, address) for sub, address in
-                                 ((self.frames_sub, config.frames), (self.commands_sub, config.commands))]
                 if also_from is not None:  # (frames, commands) of a second client in this process (openpi's server)
                     self.frames_sub.connect(also_from[0])
                     self.commands_sub.connect(also_from[1])
@@ -272,7 +270,9 @@ class NodeTransport:
             sock.curve_server = True
         if bind:
             _bind(sock, address, "node")
-        else:
+        else:  # monitored before it connects: a peer bound there already may fail the handshake at once, and
+            # libzmq gives that connection up after the one event a later monitor would miss (the SUB cut off)
+            self._watched.append(_HandshakeWatch(sock, address))
             sock.connect(address)
         return sock
 
