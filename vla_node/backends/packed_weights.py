@@ -218,7 +218,6 @@ class PackedQKV(nn.Module):
         return self._rows.run(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [],
                                                                                  ""))
 
-
     def __deepcopy__(self, memo: dict) -> "PackedQKV":
         return PackedQKV(*(copy.deepcopy(p, memo) for p in self._parts))
 

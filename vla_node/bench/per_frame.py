@@ -15,8 +15,9 @@ a shared machine hits every one alike:
     fp32 reference the oracle of every accuracy figure (full recompute, fp32, plain weights)
 
 Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
-path that ran (dtype, linear-weight format, and with AMX the SDPA attention and the packed matmuls' row buckets). speedup_vs_hf = peer ms / ours ms (medians over the frames after the
-first, which is a full refresh for every contender).
+path that ran (dtype, linear-weight format, and with AMX the SDPA attention and the packed matmuls' row buckets).
+speedup_vs_hf = peer ms / ours ms (medians over the frames after the first, which is a full refresh for every
+contender).
 
 The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refreshed token count: peer_over_floor is
 the most speedup_vs_hf any implementation could show on this machine at this dtype.
