@@ -75,6 +75,7 @@ def test_the_isa_limit_reads_onednn_names_case_insensitively(value, limit):
 def test_oneDNN_runs_the_cpu_isa_capped_by_the_limit(cpuinfo, max_isa, isa, bf16):
     assert onednn_isa_for(cpuinfo, max_isa) == isa
     assert onednn_runs_bf16_for(cpuinfo, max_isa) == bf16
+    assert cpu_features.onednn_runs_amx_for(cpuinfo, max_isa) == (isa in ("AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16"))
     assert cpu_has_bf16(cpuinfo, "" if max_isa is None else max_isa) == bf16
 
 
@@ -92,6 +93,7 @@ def test_the_machine_wrappers_read_this_process():
     limit = cpu_features.onednn_max_isa_env()
     assert cpu_features.onednn_isa() == onednn_isa_for(cpuinfo, limit)
     assert cpu_features.onednn_runs_bf16() == onednn_runs_bf16_for(cpuinfo, limit) == cpu_has_bf16()
+    assert cpu_features.onednn_runs_amx() == cpu_features.onednn_runs_amx_for(cpuinfo, limit)
     assert cpu_features.aten_capability() == torch.backends.cpu.get_cpu_capability()
     if cpu_flags(cpuinfo) >= {"avx2", "fma"}:  # an x86-64 Linux machine: our rules agree with torch's answer
         assert aten_capability_for(cpuinfo, os.environ.get("ATEN_CPU_CAPABILITY")) == cpu_features.aten_capability()
