@@ -245,6 +245,3 @@ def _samples(healths: Sequence[dict], key: str) -> list[tuple[int, int]]:
 def _model_name(config: NodeConfig) -> str:
     shapes = config.model.model_config()
     return f"{shapes.name} ({config.model.resolved_dtype}, {config.model.backend})"
-
-
-
