@@ -189,6 +189,60 @@ def test_the_fused_qkv_projection_equals_the_three_projections_to_bf16_rounding(
 
 
 @needs_packed
+@pytest.mark.parametrize("rows", [1, 17, 196])
+def test_the_towers_fused_qkv_projection_with_biases_equals_the_three_projections_to_bf16_rounding(rows):
+    """SigLIP's q|k|v (each with a bias) as one matmul: the same sums with the biases added, within one bf16 step of
+    the largest magnitude (see above: another blocking may round a sum to the neighbouring value)."""
+    model = use_packed_weights(build_vla(preset("small"), seed=2).to(torch.bfloat16))
+    attention = model.vision.encoder.layers[1].self_attn
+    assert attention.q_proj.bias is not None
+    x = torch.randn(rows, model.config.vision_width).to(torch.bfloat16)
+    with torch.inference_mode():
+        fused = attention.__dict__["qkv"](x).split(model.config.vision_width, dim=-1)  # [rows, 3W] -> 3 x [rows, W]
+        separate = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+    for name, a, b in zip("qkv", fused, separate):
+        assert_within(a.float(), b.float(), bf16_ulp(b), name)
+
+
+@needs_packed
+def test_the_fused_qkv_takes_three_biases_or_none():
+    from vla_node.backends.packed_weights import PackedQKV
+
+    with_bias, without = PackedLinear(_linear(True)), PackedLinear(_linear(False))
+    with pytest.raises(ValueError, match="three projections with a bias each or none"):
+        PackedQKV(with_bias, without, with_bias)
+
+
+@needs_packed
+def test_the_tower_cache_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding():
+    """VisionTokenCache takes a camera's q|k|v from the one matmul: a full refresh, then a partial one (the shared
+    drift moving the reused tokens), against the same packed tower with the three projections; the outputs and
+    the cached q|k|v within two bf16 steps of their largest magnitude per layer (one rounding's step carried
+    through each bf16 layer, as in the decoder's test above)."""
+    from vla_node.model.vision import fused_attention
+    from vla_node.runtime.vision_cache import VisionTokenCache
+
+    config = preset("tiny").replace(image_size=64)
+    rng = np.random.default_rng(1)
+    frames = [torch.from_numpy(rng.random((3, 64, 64), np.float32)).to(torch.bfloat16) for _ in range(2)]
+    changed = torch.tensor([0, 3, 5, 9, 12])
+    results = []
+    for fused in (True, False):
+        tower = use_packed_weights(build_vla(config, seed=4).to(torch.bfloat16)).vision
+        if not fused:
+            for layer in tower.encoder.layers:
+                del layer.self_attn.__dict__["qkv"]
+        cache = VisionTokenCache(tower, 1, torch.bfloat16, shared_drift_samples=2, attention=fused_attention)
+        full = cache.refresh(0, frames[0], None).clone()
+        cache.commit()
+        partial = cache.refresh(0, frames[1], changed).clone()
+        cache.commit()
+        results.append((full, partial, cache.qkv.clone()))
+    for name, a, b in zip(("full refresh", "partial refresh", "q|k|v"), *results):
+        assert_within(a.float(), b.float(), 2 * config.vision_layers * bf16_ulp(b), name)
+
+
+@needs_packed
 def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding():
     """FrameTokenCache's full run takes every row's query from the one q|k|v matmul. Where that rounds a projection
     to the neighbouring bf16 value (see above), the step is carried through the decoder's bf16 layers: the logits,
@@ -252,7 +306,8 @@ def test_warm_row_buckets_compiles_every_bucket_once_and_nothing_where_rows_are_
     matmuls = [m for m in model.modules() if isinstance(m, (packed_weights.PackedSwiGLU, packed_weights.PackedGeluMLP))]
     alone = [m for m in model.modules() if isinstance(m, PackedLinear)
              and not any(m is child for mlp in matmuls for child in mlp.children())]
-    qkv = [layer.self_attn.__dict__["qkv"] for layer in model.decoder.model.layers]
+    layers = [*model.vision.encoder.layers, *model.decoder.model.layers]
+    qkv = [layer.self_attn.__dict__["qkv"] for layer in layers]  # SigLIP's and Llama's
     for rows in (packed_weights._row_buckets(m) for m in matmuls + alone + qkv):
         monkeypatch.setattr(rows, "step", 1)
     assert packed_weights.warm_row_buckets(model, 40) == 0  # not bucketed: nothing to compile

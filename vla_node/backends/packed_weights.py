@@ -198,13 +198,14 @@ class PackedSwiGLU(nn.Module):
 
 
 class PackedQKV(nn.Module):
-    """An attention's q, k and v projections (no bias) as one packed matmul: x [..., in] -> [..., q | k | v]. Holds
-    no parameter (the three projections keep theirs, so checkpoints and state dicts are unchanged)."""
+    """An attention's q, k and v projections as one packed matmul: x [..., in] -> [..., q | k | v], with their biases
+    where all three have one (SigLIP's) or none (Llama's). Holds no parameter (the three projections keep theirs, so
+    checkpoints and state dicts are unchanged)."""
 
     def __init__(self, q: PackedLinear, k: PackedLinear, v: PackedLinear) -> None:
         super().__init__()
-        if any(p.bias is not None for p in (q, k, v)):
-            raise ValueError("PackedQKV takes projections without bias (Llama's)")
+        if len({p.bias is None for p in (q, k, v)}) > 1:
+            raise ValueError("PackedQKV takes three projections with a bias each or none")
         self._parts = (q, k, v)
         self._pack()
 
@@ -212,11 +213,13 @@ class PackedQKV(nn.Module):
         with torch.no_grad():
             weight = torch.cat([p.weight.detach() for p in self._parts])  # [q + k + v out, in]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
+            biases = [p.bias for p in self._parts]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # [q + k + v out]
         self._rows = RowBuckets(weight.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rows.run(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [],
-                                                                                 ""))
+        return self._rows.run(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none",
+                                                                                 [], ""))
 
     def __deepcopy__(self, memo: dict) -> "PackedQKV":
         return PackedQKV(*(copy.deepcopy(p, memo) for p in self._parts))
@@ -225,12 +228,10 @@ class PackedQKV(nn.Module):
 def warm_row_buckets(module: nn.Module, max_rows: int) -> int:
     """Compile, for every packed matmul under `module` (its attentions' PackedQKV too), each row bucket's kernel up to
     max_rows rows, so that no frame pays for one. Returns the kernels compiled (0 where rows are not bucketed)."""
-    from vla_node.model.decoder import LlamaAttention
-
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
-    warmed += [m.__dict__["qkv"] for m in module.modules() if isinstance(m, LlamaAttention) and "qkv" in m.__dict__]
+    warmed += [m.__dict__["qkv"] for m in module.modules() if "qkv" in m.__dict__]
     compiled = 0
     with torch.inference_mode():
         for matmul in warmed:
@@ -248,9 +249,10 @@ def _row_buckets(matmul: nn.Module) -> RowBuckets:
 
 def use_packed_weights(module: nn.Module) -> nn.Module:
     """Replace, in place, every MLP under `module` (SigLIP's, the projector, Llama's) by its fused packed form and
-    every other nn.Linear by a PackedLinear, and give every Llama attention its PackedQKV; returns the module.
-    Every weight must be bf16 on the CPU."""
+    every other nn.Linear by a PackedLinear, and give every attention (Llama's, SigLIP's) its PackedQKV; returns the
+    module. Every weight must be bf16 on the CPU."""
     from vla_node.model.decoder import LlamaAttention
+    from vla_node.model.vision import SiglipAttention
     from vla_node.model.vla import Projector
 
     if not packed_weights_available():
@@ -269,7 +271,7 @@ def use_packed_weights(module: nn.Module) -> nn.Module:
 
     pack(module)
     for attention in module.modules():
-        if isinstance(attention, LlamaAttention):
+        if isinstance(attention, (LlamaAttention, SiglipAttention)):
             # a plain attribute, not a submodule: the projections stay the modules that own the weights
             object.__setattr__(attention, "qkv", PackedQKV(attention.q_proj, attention.k_proj, attention.v_proj))
     return module

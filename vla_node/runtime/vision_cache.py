@@ -255,13 +255,17 @@ class VisionTokenCache:
         sqkv, sx = st["qkv"][i], st["x_ref"][i]  # [3, H, T, hd], [T, W]
         sq, sk, sv = sqkv
         h = layer.layer_norm1(xr)
-        q = a.q_proj(h).reshape(n, H, hd).transpose(0, 1)  # [n, W] -> [H, n, hd]
-        k = a.k_proj(h).reshape(n, H, hd).transpose(0, 1)
-        v = a.v_proj(h).reshape(n, H, hd).transpose(0, 1)
+        qkv = a.__dict__.get("qkv")  # packed weights' one q|k|v matmul (packed_weights.PackedQKV)
+        if qkv is not None:
+            heads = qkv(h).reshape(n, 3, H, hd).permute(1, 2, 0, 3)  # [n, 3W] -> [3, H, n, hd]
+        else:
+            heads = torch.stack([a.q_proj(h), a.k_proj(h), a.v_proj(h)]).reshape(3, n, H, hd).transpose(1, 2)
+            # [3, n, W] -> [3, H, n, hd]
+        q = heads[0]
         if full:
-            torch.stack([q, k, v], out=sqkv)  # -> [3, H, T, hd]
+            sqkv.copy_(heads)
         else:  # one shift for the three: [3, H, n, hd] into [3, H, T, hd]
-            shift_reused(sqkv, live["qkv"][i], torch.stack([q, k, v]), rows, sample, 2, at, self._wide)
+            shift_reused(sqkv, live["qkv"][i], heads, rows, sample, 2, at, self._wide)
         if self._track_inputs or i == 0:
             _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
