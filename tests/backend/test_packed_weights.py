@@ -299,7 +299,10 @@ def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch
 
 
 @needs_packed
-def test_warm_row_buckets_compiles_every_bucket_once_and_nothing_where_rows_are_not_bucketed(monkeypatch):
+def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing_where_rows_are_not_bucketed(
+        monkeypatch):
+    """Each bucket up to max_rows, then each exact count between buckets (a count on a bucket needs no kernel of its
+    own), once per matmul; a second warm-up compiles the buckets again (cache hits) but no exact count twice."""
     from vla_node.backends import packed_weights
 
     model = use_packed_weights(build_vla(preset("tiny"), seed=5).to(torch.bfloat16))
@@ -308,32 +311,78 @@ def test_warm_row_buckets_compiles_every_bucket_once_and_nothing_where_rows_are_
              and not any(m is child for mlp in matmuls for child in mlp.children())]
     layers = [*model.vision.encoder.layers, *model.decoder.model.layers]
     qkv = [layer.self_attn.__dict__["qkv"] for layer in layers]  # SigLIP's and Llama's
-    for rows in (packed_weights._row_buckets(m) for m in matmuls + alone + qkv):
+    everything = [packed_weights._row_buckets(m) for m in matmuls + alone + qkv]
+    for rows in everything:
         monkeypatch.setattr(rows, "step", 1)
-    assert packed_weights.warm_row_buckets(model, 40) == 0  # not bucketed: nothing to compile
-    for rows in (packed_weights._row_buckets(m) for m in matmuls + alone + qkv):
+    assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 0  # not bucketed: nothing to compile
+    assert all(rows.exact == set() for rows in everything)
+    for rows in everything:
         monkeypatch.setattr(rows, "step", 16)
     calls = []
     monkeypatch.setattr(packed_weights.PackedQKV, "forward", lambda self, x: calls.append(x.shape[0]))
-    assert packed_weights.warm_row_buckets(model, 40) == 3 * (len(matmuls) + len(alone) + len(qkv))  # 16, 32, 48
-    assert calls == [16, 32, 48] * len(qkv)
+    count = len(matmuls) + len(alone) + len(qkv)
+    assert packed_weights.warm_row_buckets(model, 40, {20, 5, 32}) == 5 * count  # 16, 32, 48, then 5 and 20
+    assert calls == [16, 32, 48, 5, 20] * len(qkv)
+    assert all(rows.exact == {5, 20} for rows in everything)
+    assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 3 * count
 
 
-def test_a_recurring_row_count_runs_unpadded_from_its_third_use_and_at_most_max_exact_do():
-    """RowBuckets alone (no oneDNN needed): a row count is padded PROMOTE_AFTER times, then passed through as it is
-    (its kernel compiled once); only MAX_EXACT counts are, the rest stay padded."""
+def test_only_the_row_counts_declared_exact_run_unpadded_however_often_others_recur():
+    """RowBuckets alone (no oneDNN needed): a count between buckets is padded on every call, however often it comes
+    (nothing is compiled after warm-up); a declared count and a full bucket pass through as they are."""
     from vla_node.backends import packed_weights
 
     rows = packed_weights.RowBuckets(4)
     rows.step = 8
     x = torch.ones(5, 4, dtype=torch.bfloat16)
-    padded = [rows.pad(x) is not x for _ in range(packed_weights.PROMOTE_AFTER + 2)]
-    assert padded == [True] * packed_weights.PROMOTE_AFTER + [False, False] and rows.exact == {5}
-    assert rows.pad(torch.ones(8, 4, dtype=torch.bfloat16)).shape == (8, 4)  # a full bucket: never padded
-    for n in range(9, 9 + 2 * packed_weights.MAX_EXACT):  # more counts than the cap, each recurring
-        for _ in range(packed_weights.PROMOTE_AFTER + 1):
-            rows.pad(torch.ones(n, 4, dtype=torch.bfloat16))
-    assert len(rows.exact) == packed_weights.MAX_EXACT
-    late = torch.ones(8 * 5 + 1, 4, dtype=torch.bfloat16)
-    assert all(rows.pad(late).shape == (48, 4) for _ in range(5))  # past the cap: padded however often it comes
+    assert all(rows.pad(x).shape == (8, 4) for _ in range(20))
+    assert rows.exact == set()
+    rows.exact.add(5)  # as warm_row_buckets declares it
+    assert rows.pad(x) is x
+    full = torch.ones(16, 4, dtype=torch.bfloat16)
+    assert rows.pad(full) is full  # a full bucket: never padded
+    assert rows.pad(torch.ones(41, 4, dtype=torch.bfloat16)).shape == (48, 4)
     assert rows.pad(torch.ones(3, 4)).dtype == torch.float32  # not bf16: left for the primitive to name
+
+
+@needs_packed
+def test_compile_kernels_declares_the_ticks_and_the_frames_row_counts_and_a_run_adds_none(monkeypatch):
+    """With rows padded to 16 (as on AMX; forced here on any CPU that packs), the policy's warm-up declares exact the
+    counts its stages repeat, per module; a frame with its tick, a partial frame and a tick then leave every exact set
+    as it was, and none of a tick's matmuls pads its rows."""
+    from vla_node.backends import packed_weights
+
+    monkeypatch.setattr(packed_weights, "bucket_step", lambda: 16)
+    config = preset("tiny").replace(image_size=64)  # 16 tokens a frame, 4 states, 4 x 2 action queries
+    model = use_packed_weights(build_vla(config, seed=4).to(torch.bfloat16))
+    policy = MultiRatePolicy(model, CacheConfig(), torch.bfloat16)
+    assert policy.compile_kernels() > 0
+    T, S, Q = config.tokens_per_frame, config.state_slots, config.action_tokens
+    block = set(range(1 + Q, S + Q + 1))
+    layer = model.decoder.model.layers[0]
+    expected = {*range(1, S + 1), Q, *block, T, *(T + n for n in block)}
+    decoder = [layer.self_attn.__dict__["qkv"]._rows, layer.self_attn.o_proj._rows, layer.mlp.gate_proj._rows]
+    decoder.append(layer.mlp.down_proj._rows)  # the fused MLP's second matmul takes the first's rows as they are
+    assert all(rows.exact == {n for n in expected if n % 16} for rows in decoder)
+    tower = model.vision.encoder.layers[0]
+    assert tower.self_attn.__dict__["qkv"]._rows.exact == {config.tokens_per_camera} - {16}
+    every = [m._rows for m in model.modules() if isinstance(m, PackedLinear)]
+    every += [m.__dict__["qkv"]._rows for m in model.modules() if "qkv" in m.__dict__]
+    exact = [set(rows.exact) for rows in every]
+    seen = []  # (row count, padded) of every matmul call
+
+    def pad(self, x, pad=packed_weights.RowBuckets.pad):
+        rows = pad(self, x)
+        seen.append((x.numel() // self.width, rows is not x))
+        return rows
+
+    monkeypatch.setattr(packed_weights.RowBuckets, "pad", pad)
+    frame = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    state = np.ones(config.state_dim, np.float32)
+    policy.update_text("go")
+    policy.update_vision(policy.prepare_frames([frame]), state=state)
+    policy.update_vision(policy.prepare_frames([frame[::-1]]), [torch.tensor([1, 5])], state=state)
+    seen.clear()
+    policy.action_tick(state)  # the states are stale after a frame: recomputed in the tick's block
+    assert block & {n for n, _ in seen} and not any(padded for _, padded in seen)
+    assert exact == [rows.exact for rows in every]

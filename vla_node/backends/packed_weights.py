@@ -17,13 +17,16 @@ one. Where oneDNN would only emulate bf16 (`ONEDNN_MAX_CPU_ISA` below AVX512_COR
 AVX-512), `packed_weights_available` says no.
 
 On a CPU whose oneDNN runs AMX, a packed matmul pads its rows up to a multiple of ROW_BUCKET unless the row count
-recurs. oneDNN compiles a kernel per row count on first use (a 512 -> 1536 matmul: 1.65 ms a call over 197 new row
-counts, 0.24 ms for the same again, on a Xeon with AMX, one thread) and keeps 1024 in its cache; a reuse frame's row
-counts change from frame to frame (the refreshed tokens), so a run kept compiling: 30 clip frames took 61.3 ms each
-unpadded against 45.2 ms padded (warm_row_buckets compiles every bucket at start). Padding costs a copy and a larger
-product, so row counts that recur (a full frame's, a tick's block, the K/V of every token) run unpadded from their
-third use (at most MAX_EXACT per matmul): the same frames a second time 39.9 ms unpadded, 42.0 ms all padded; a tick
-10.9 against 12.0 ms. A padded row's result is dropped (rows are independent).
+was declared exact at warm-up. oneDNN compiles a kernel per row count on first use (a 512 -> 1536 matmul: 1.65 ms a
+call over 197 new row counts, 0.24 ms for the same again, on a Xeon with AMX, one thread) and keeps 1024 in its
+cache; a reuse frame's row counts change from frame to frame (the refreshed tokens), so a run kept compiling: 30 clip
+frames took 61.3 ms each unpadded against 45.2 ms padded. warm_row_buckets compiles every bucket at start, and the
+row counts every frame or tick repeats (a tick's block, a frame's tokens: MultiRatePolicy.compile_kernels names them)
+run unpadded, their kernels compiled then too: padding those cost a tick 12.0 against 10.9 ms. Nothing is compiled
+after warm-up: promoting a count at run time once it recurred (an earlier form) filled each matmul's exact slots with
+reuse frames' counts that recurred by chance, and each promotion compiled a kernel per matmul shape in the frame that
+ran it (200 freeway frames at 25 fps through a new policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against
+45.1 ms, the median 36.6 against 36.0 ms). A padded row's result is dropped (rows are independent).
 
 The plain weights stay in the modules as parameters, so a packed model still saves, loads and deep-copies as before;
 its dtype and device are fixed (bf16 on the CPU): convert before packing, not after.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -43,8 +47,6 @@ from vla_node.model.vision import SiglipMLP
 
 BATCH_HINT = 196  # rows oneDNN packs for (a camera's tokens); any row count works
 ROW_BUCKET = 16  # with AMX, rows are padded up to a multiple of this (the tile's rows)
-PROMOTE_AFTER = 2  # uses of a row count padded before it runs unpadded (its kernel compiled then, once)
-MAX_EXACT = 8  # row counts per matmul that run unpadded: the recurring ones
 
 
 def packed_weights_available() -> bool:
@@ -75,15 +77,14 @@ def bucket_step() -> int:
 
 class RowBuckets:
     """A packed matmul's input rows padded up to a multiple of ROW_BUCKET where oneDNN runs AMX, but for the row
-    counts that recur (module docstring), through a scratch buffer kept between calls (grown to the largest bucket
-    seen; rows past the input's are stale and their results dropped)."""
+    counts declared `exact` at warm-up (module docstring), through a scratch buffer kept between calls (grown to the
+    largest bucket seen; rows past the input's are stale and their results dropped)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
         self.step = bucket_step()
         self._scratch = torch.zeros(0, width, dtype=torch.bfloat16)
-        self.exact: set[int] = set()  # row counts that run unpadded
-        self._uses: list[int] = []  # per row count, the times it was padded (grown on demand)
+        self.exact: set[int] = set()  # row counts that run unpadded (warm_row_buckets)
 
     def buckets(self, max_rows: int) -> range:
         return range(self.step, -(-max_rows // self.step) * self.step + 1, self.step)
@@ -94,13 +95,6 @@ class RowBuckets:
         bucket = -(-n // self.step) * self.step
         if bucket == n or n in self.exact or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return x  # (a wrong input goes on to the primitive, which names it)
-        if len(self.exact) < MAX_EXACT:
-            if n >= len(self._uses):
-                self._uses.extend([0] * (bucket - len(self._uses)))
-            self._uses[n] += 1
-            if self._uses[n] > PROMOTE_AFTER:
-                self.exact.add(n)
-                return x
         if self._scratch.shape[0] < bucket:
             self._scratch = torch.zeros(bucket, self.width, dtype=torch.bfloat16)
         rows = self._scratch[:bucket]
@@ -225,9 +219,10 @@ class PackedQKV(nn.Module):
         return PackedQKV(*(copy.deepcopy(p, memo) for p in self._parts))
 
 
-def warm_row_buckets(module: nn.Module, max_rows: int) -> int:
+def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()) -> int:
     """Compile, for every packed matmul under `module` (its attentions' PackedQKV too), each row bucket's kernel up to
-    max_rows rows, so that no frame pays for one. Returns the kernels compiled (0 where rows are not bucketed)."""
+    max_rows rows, and declare the `exact` row counts (those between buckets) to run unpadded, compiling theirs, so
+    that no frame pays for a kernel. Returns the kernels compiled (0 where rows are not bucketed)."""
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
@@ -236,7 +231,12 @@ def warm_row_buckets(module: nn.Module, max_rows: int) -> int:
     with torch.inference_mode():
         for matmul in warmed:
             rows = _row_buckets(matmul)
-            for n in rows.buckets(max_rows) if rows.step > 1 else ():
+            if rows.step == 1:
+                continue
+            between = sorted(n for n in set(exact) - rows.exact if n % rows.step)
+            for inner in _inner_row_buckets(matmul):  # a fused MLP's second matmul takes the first's rows as they are
+                inner.exact.update(between)
+            for n in [*rows.buckets(max_rows), *between]:
                 matmul(torch.zeros(n, rows.width, dtype=torch.bfloat16))
                 compiled += 1
     return compiled
@@ -245,6 +245,12 @@ def warm_row_buckets(module: nn.Module, max_rows: int) -> int:
 def _row_buckets(matmul: nn.Module) -> RowBuckets:
     first = {PackedGeluMLP: "fc1", PackedSwiGLU: "gate_proj"}.get(type(matmul))
     return (getattr(matmul, first) if first else matmul)._rows
+
+
+def _inner_row_buckets(matmul: nn.Module) -> list[RowBuckets]:
+    """The row buckets a matmul's rows meet: its own, and in a fused MLP the second matmul's too."""
+    second = {PackedGeluMLP: "fc2", PackedSwiGLU: "down_proj"}.get(type(matmul))
+    return [_row_buckets(matmul), *([getattr(matmul, second)._rows] if second else [])]
 
 
 def use_packed_weights(module: nn.Module) -> nn.Module:

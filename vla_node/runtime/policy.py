@@ -669,11 +669,20 @@ class MultiRatePolicy:
         return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]
 
     def compile_kernels(self) -> int:
-        """Compile every packed matmul's row-bucket kernels up to the most rows a stage runs (a frame's tokens with
-        the tick's block), as the node's warm-up does, so that no frame pays for one (packed_weights.RowBuckets; a
-        no-op elsewhere). Returns the kernels compiled."""
-        c = self.config
-        return warm_row_buckets(self.model, c.tokens_per_frame + c.state_slots + c.action_tokens)
+        """Compile every packed matmul's kernels for the rows it will run, as the node's warm-up does, so that no frame
+        or tick pays for one (packed_weights.RowBuckets; a no-op where rows are not padded): each row bucket up to the
+        most rows its module runs, and, unpadded, the row counts every frame or tick repeats: a camera's tokens in the
+        tower, a frame's in the projector, one state in its embedding; in the decoder a tick's block (the new state,
+        the 0..S-1 other stored states when they are recomputed in it, the H*D queries), a frame's tokens alone and
+        with that block, the stored states alone (1..S) and the queries alone (the action head). Returns the kernels
+        compiled."""
+        c, m = self.config, self.model
+        frame, states = c.tokens_per_frame, c.state_slots
+        block = range(1 + c.action_tokens, states + c.action_tokens + 1)  # a tick's rows
+        decoder = {*range(1, states + 1), c.action_tokens, *block, frame, *(frame + n for n in block)}
+        return (warm_row_buckets(m.vision, c.tokens_per_camera, {c.tokens_per_camera})
+                + warm_row_buckets(m.projector, frame, {frame}) + warm_row_buckets(m.state_proj, 1, {1})
+                + warm_row_buckets(m.decoder, frame + states + c.action_tokens, decoder))
 
     # --- accounting -----------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:
