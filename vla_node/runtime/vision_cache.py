@@ -258,14 +258,13 @@ class VisionTokenCache:
         qkv = a.__dict__.get("qkv")  # packed weights' one q|k|v matmul (packed_weights.PackedQKV)
         if qkv is not None:
             heads = qkv(h).reshape(n, 3, H, hd).permute(1, 2, 0, 3)  # [n, 3W] -> [3, H, n, hd]
+            if full:
+                sqkv.copy_(heads)
         else:  # each [n, W] -> [H, n, hd], stacked straight into the staged q|k|v when every row is new
             heads = torch.stack([p(h).reshape(n, H, hd).transpose(0, 1) for p in (a.q_proj, a.k_proj, a.v_proj)],
                                 out=sqkv if full else None)
         q = heads[0]
-        if full:
-            if heads is not sqkv:
-                sqkv.copy_(heads)
-        else:  # one shift for the three: [3, H, n, hd] into [3, H, T, hd]
+        if not full:  # one shift for the three: [3, H, n, hd] into [3, H, T, hd]
             shift_reused(sqkv, live["qkv"][i], heads, rows, sample, 2, at, self._wide)
         if self._track_inputs or i == 0:
             _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
