@@ -302,7 +302,9 @@ def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch
 def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing_where_rows_are_not_bucketed(
         monkeypatch):
     """Each bucket up to max_rows, then each exact count between buckets (a count on a bucket needs no kernel of its
-    own), once per matmul; a second warm-up compiles the buckets again (cache hits) but no exact count twice."""
+    own), declared on every matmul and run on one matmul per kernel key (a layer's matmuls share theirs with the same
+    matmuls of the other layers); a second warm-up compiles the buckets again (cache hits) but no exact count
+    twice."""
     from vla_node.backends import packed_weights
 
     model = use_packed_weights(build_vla(preset("tiny"), seed=5).to(torch.bfloat16))
@@ -320,11 +322,13 @@ def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing
         monkeypatch.setattr(rows, "step", 16)
     calls = []
     monkeypatch.setattr(packed_weights.PackedQKV, "forward", lambda self, x: calls.append(x.shape[0]))
-    count = len(matmuls) + len(alone) + len(qkv)
-    assert packed_weights.warm_row_buckets(model, 40, {20, 5, 32}) == 5 * count  # 16, 32, 48, then 5 and 20
-    assert calls == [16, 32, 48, 5, 20] * len(qkv)
+    keys = {packed_weights._kernel_key(m) for m in matmuls + alone + qkv}
+    qkv_keys = {packed_weights._kernel_key(m) for m in qkv}
+    assert len(qkv_keys) == 2 and len(keys) < len(matmuls + alone + qkv)  # SigLIP's and Llama's; layers share
+    assert packed_weights.warm_row_buckets(model, 40, {20, 5, 32}) == 5 * len(keys)  # 16, 32, 48, then 5 and 20
+    assert calls == [16, 32, 48, 5, 20] * len(qkv_keys)
     assert all(rows.exact == {5, 20} for rows in everything)
-    assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 3 * count
+    assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 3 * len(keys)
 
 
 def test_only_the_row_counts_declared_exact_run_unpadded_however_often_others_recur():
@@ -386,3 +390,38 @@ def test_compile_kernels_declares_the_ticks_and_the_frames_row_counts_and_a_run_
     policy.action_tick(state)  # the states are stale after a frame: recomputed in the tick's block
     assert block & {n for n, _ in seen} and not any(padded for _, padded in seen)
     assert exact == [rows.exact for rows in every]
+
+
+@needs_packed
+def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_tick(monkeypatch, capfd):
+    """oneDNN's own log of the primitives it creates (torch.backends.mkldnn.verbose): after the policy's warm-up, with
+    rows padded to 16 (as on AMX), a frame with its tick, partial frames of several sizes and a tick find every packed
+    matmul's kernel in oneDNN's cache, although the warm-up ran each row count on one matmul per kernel key (one
+    layer of the decoder's, one of the tower's): none is created anew. Without the warm-up they are. oneDNN's cache
+    is the process's, so each run has MLP widths no other test uses (the other kernels may be cached already)."""
+    from vla_node.backends import packed_weights
+
+    monkeypatch.setattr(packed_weights, "bucket_step", lambda: 16)
+    rng = np.random.default_rng(1)
+    frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
+    state = np.ones(preset("tiny").state_dim, np.float32)
+
+    def created_in_stages(warm: bool, mlp_width: int) -> list[str]:
+        config = preset("tiny").replace(image_size=64, vision_mlp=mlp_width, intermediate_size=2 * mlp_width)
+        model = use_packed_weights(build_vla(config, seed=6).to(torch.bfloat16))  # 16 tokens a frame
+        policy = MultiRatePolicy(model, CacheConfig(), torch.bfloat16)
+        if warm:
+            assert policy.compile_kernels() > 0
+        capfd.readouterr()
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            policy.update_text("go")
+            policy.update_vision(policy.prepare_frames([frames[0]]), state=state)
+            for frame, changed in zip(frames[1:], ([1, 5], [0, 2, 3, 7, 9, 11, 12], list(range(13)))):
+                policy.update_vision(policy.prepare_frames([frame]), [torch.tensor(changed)], state=state)
+            policy.action_tick(state)
+        log = capfd.readouterr().out.splitlines()
+        assert any(",inner_product," in line for line in log), log[:20]  # the log is there: packed matmuls ran
+        return [line for line in log if "create:cache_miss" in line and ",inner_product," in line]
+
+    assert created_in_stages(warm=True, mlp_width=72) == []
+    assert created_in_stages(warm=False, mlp_width=88)  # the check sees a kernel compiled in a stage

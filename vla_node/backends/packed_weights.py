@@ -222,12 +222,15 @@ class PackedQKV(nn.Module):
 def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()) -> int:
     """Compile, for every packed matmul under `module` (its attentions' PackedQKV too), each row bucket's kernel up to
     max_rows rows, and declare the `exact` row counts (those between buckets) to run unpadded, compiling theirs, so
-    that no frame pays for a kernel. Returns the kernels compiled (0 where rows are not bucketed)."""
+    that no frame pays for a kernel. oneDNN keeps a compiled kernel by its shapes and post-ops, not by the weights
+    it multiplies, so of the matmuls that share those (`_kernel_key`: a decoder's layers, a tower's) one runs each
+    row count and the others only declare theirs. Returns the kernels compiled (0 where rows are not bucketed)."""
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
     warmed += [m.__dict__["qkv"] for m in module.modules() if "qkv" in m.__dict__]
     compiled = 0
+    runs: dict[tuple, set[int]] = {}  # per kernel key, the row counts one of its matmuls ran here
     with torch.inference_mode():
         for matmul in warmed:
             rows = _row_buckets(matmul)
@@ -236,10 +239,21 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
             between = sorted(n for n in set(exact) - rows.exact if n % rows.step)
             for inner in _inner_row_buckets(matmul):  # a fused MLP's second matmul takes the first's rows as they are
                 inner.exact.update(between)
+            ran = runs.setdefault(_kernel_key(matmul), set())
             for n in [*rows.buckets(max_rows), *between]:
-                matmul(torch.zeros(n, rows.width, dtype=torch.bfloat16))
-                compiled += 1
+                if n not in ran:
+                    matmul(torch.zeros(n, rows.width, dtype=torch.bfloat16))
+                    ran.add(n)
+                    compiled += 1
     return compiled
+
+
+def _kernel_key(matmul: nn.Module) -> tuple:
+    """What a packed matmul's compiled kernels depend on: its kind and, per matmul inside it, the widths, the fused
+    activation and whether it adds a bias (PackedLinear packs every weight of one shape alike)."""
+    parts = matmul._parts if isinstance(matmul, PackedQKV) else [matmul] if isinstance(matmul, PackedLinear) \
+        else list(matmul.children())  # a fused MLP's PackedLinears
+    return type(matmul), tuple((p.in_features, p.out_features, p.activation, p.bias is not None) for p in parts)
 
 
 def _row_buckets(matmul: nn.Module) -> RowBuckets:
