@@ -69,6 +69,31 @@ def test_same_seed_same_weights_in_two_processes():
     assert weights_digest(build_vla(preset("tiny"), seed=12)) != weights_digest(build_vla(preset("tiny"), seed=11))
 
 
+@pytest.mark.parametrize("head", ["bins", "flow"])
+def test_built_without_torchs_default_draws_the_weights_are_those_drawn_after_them(head, monkeypatch):
+    """build_vla skips the default init that init_weights overwrites (empty_vla): the same parameters and buffers,
+    bit for bit, as init_weights over a VLA built with it; torch's init functions are back afterwards, also when the
+    build fails."""
+    from torch import nn
+
+    from vla_node.model import vla
+
+    config = preset("tiny", head)
+    built, reference = build_vla(config, seed=7), vla.init_weights(vla.VLA(config), 7).eval()
+    ours, theirs = dict(built.named_parameters()), dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert all(torch.equal(a, b) for a, b in zip(built.buffers(), reference.buffers(), strict=True))
+    draws = {name: getattr(nn.init, name) for name in vla._DRAWS}
+    monkeypatch.setattr(vla, "VLA", lambda c: (_ for _ in ()).throw(RuntimeError("no memory")))
+    with pytest.raises(RuntimeError, match="no memory"):
+        vla.empty_vla(config)
+    assert {name: getattr(nn.init, name) for name in vla._DRAWS} == draws
+    torch.manual_seed(3)
+    drawn = nn.Linear(4, 4).weight  # the default init draws again
+    torch.manual_seed(3)
+    assert torch.equal(drawn, nn.init.kaiming_uniform_(torch.empty(4, 4), a=5 ** 0.5))
+
+
 @given(st.text(max_size=40))
 def test_tokenizer_round_trip(text):
     ids = encode(text, max_tokens=4 * 40 + 1)

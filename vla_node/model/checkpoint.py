@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from vla_node.model.config import ModelConfig
 from vla_node.model.decoder import hf_llama_config
 from vla_node.model.vision import hf_siglip_config
-from vla_node.model.vla import VLA
+from vla_node.model.vla import VLA, empty_vla
 from vla_node.validate import ConfigError, from_dict, show
 
 FORMAT_VERSION = 1
@@ -161,7 +161,7 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> VLA:
         if not (path / rel).is_file():
             raise CheckpointError(f"{path}: missing {rel}")
     _check_size(path, config, [path / rel for rel in files.values()])
-    model = VLA(config)
+    model = empty_vla(config)  # every parameter is loaded below
     expected = _parts(model)
     loaded: dict[str, torch.Tensor] = {}
     for part, (rel, want) in expected.items():
