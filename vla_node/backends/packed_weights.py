@@ -229,7 +229,6 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
     warmed += [m.__dict__["qkv"] for m in module.modules() if "qkv" in m.__dict__]
-    compiled = 0
     runs: dict[tuple, set[int]] = {}  # per kernel key, the row counts one of its matmuls ran here
     with torch.inference_mode():
         for matmul in warmed:
@@ -244,8 +243,7 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
                 if n not in ran:
                     matmul(torch.zeros(n, rows.width, dtype=torch.bfloat16))
                     ran.add(n)
-                    compiled += 1
-    return compiled
+    return sum(len(ran) for ran in runs.values())
 
 
 def _kernel_key(matmul: nn.Module) -> tuple:
