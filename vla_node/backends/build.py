@@ -9,6 +9,9 @@ An engine folder (the engine store's, store.py) holds, for step NAME:
     inputs.json, outputs.json        the example inputs and the torch step's outputs in polygraphy's JSON form, so
                                      `polygraphy run NAME.onnx --trt --load-inputs inputs.json --load-outputs
                                      outputs.json` checks a TensorRT build against the same references
+
+NAME.fp32.onnx and its sidecar are copied from the store's export of the step (export_into, store.EXPORTS) when it
+has one: a step is exported once for all its recipes and backends.
 """
 
 from __future__ import annotations
@@ -36,13 +39,31 @@ def backend_version(backend: str) -> str:
     raise ValueError(f"backend {backend!r} is not built into an engine store: expected onnxruntime or tensorrt")
 
 
+def exporter_version() -> str:
+    """What an export depends on besides the step itself: the exporter, and the checker and runtime of its sidecar."""
+    import onnx
+    import onnxruntime
+    import onnxscript
+
+    return (f"torch {torch.__version__}; onnxscript {onnxscript.__version__}; onnx {onnx.__version__}; "
+            f"onnxruntime {onnxruntime.__version__}")
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").float().numpy() if t.dtype == torch.bfloat16 else t.detach().to("cpu").numpy()
 
 
-def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration=None, device: str = "cpu") -> None:
-    """Export `spec`'s step of `model` into `folder`, apply `recipe`, measure the result's parity against the
-    torch step in ONNX Runtime, write the polygraphy files and (tensorrt) build the plan."""
+def export_into(model, spec, folder: Path) -> None:
+    """`spec`'s step of `model` exported to `folder`/NAME.fp32.onnx with its sidecar NAME.fp32.json (export_step:
+    checked, and its parity in ONNX Runtime measured): what every recipe and backend of the step starts from."""
+    export_step(spec.build(model).eval(), spec.inputs(), spec.outputs, folder / f"{spec.name}.fp32.onnx")
+
+
+def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration=None, device: str = "cpu",
+               exported: Path | None = None) -> None:
+    """Export `spec`'s step of `model` into `folder` (or copy the export in `exported`, a folder export_into wrote
+    for the same step, weights and shapes), apply `recipe`, measure the result's parity against the torch step in
+    ONNX Runtime, write the polygraphy files and (tensorrt) build the plan."""
     from polygraphy.comparator import RunResults
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.json import save_json
@@ -55,7 +76,13 @@ def build_step(model, spec, backend: str, recipe: str, folder: Path, calibration
     with torch.inference_mode():
         expected = [_numpy(t) for t in step(*inputs.values())]
     fp32 = folder / f"{name}.fp32.onnx"
-    sidecar = export_step(step, inputs, spec.outputs, fp32)
+    if exported is None:
+        sidecar = export_step(step, inputs, spec.outputs, fp32)
+    else:  # the graph, its sidecar and any external weights file
+        for path in exported.iterdir():
+            if path.name.startswith(f"{name}.fp32."):
+                shutil.copyfile(path, folder / path.name)
+        sidecar = json.loads(fp32.with_suffix(".json").read_text())
     graph = folder / f"{name}.onnx"
     if recipe == "fp32":
         shutil.copyfile(fp32, graph)

@@ -37,7 +37,7 @@ from torch import nn
 from vla_node.backends.engine import Engine, TorchEngine
 from vla_node.backends.flow_step import FlowTickStep, flow_bias, flow_outputs, state_bias, state_positions
 from vla_node.backends.steps import TextStep, TickStep, text_bias, tick_bias
-from vla_node.backends.store import EngineKey, EngineStore, device_description, weights_digest
+from vla_node.backends.store import EXPORTS, EngineKey, EngineStore, device_description, weights_digest
 from vla_node.model.config import ModelConfig
 from vla_node.model.vla import VLA
 
@@ -248,22 +248,28 @@ def exported_engines(model: VLA, specs: Mapping[str, StepSpec], backend: str, re
                      launch: str | None = None, progress: Callable[[str], None] | None = None) -> EngineSet:
     """Every step of `specs` from the engine store, built (export, recipe, parity, polygraphy files) where missing
     or stale; with build=False a missing engine is an EngineStoreError naming the command that builds it."""
-    from vla_node.backends.build import backend_version, build_step, load_engine
+    from vla_node.backends.build import backend_version, build_step, export_into, exporter_version, load_engine
 
     digest = weights_digest(model)
     version = backend_version(backend)
     where = device_description(device)
+    exports = EngineStore(store.root / EXPORTS)
     engines, folders = {}, {}
     for index, (name, spec) in enumerate(specs.items()):
         key = EngineKey(step=name, recipe=recipe, backend=backend, backend_version=version, device=where,
                         weights=digest, shapes=spec.shapes(), options=spec.options,
                         calibration=calibration.step_digest(name) if recipe == "int8-trt" and calibration else None)
+        export_key = dataclasses.replace(key, recipe="export", backend="onnx", backend_version=exporter_version(),
+                                         calibration=None)
         started = time.monotonic()
         built = []
 
-        def make(folder: Path, spec: StepSpec = spec) -> None:
+        def make(folder: Path, spec: StepSpec = spec, export_key: EngineKey = export_key) -> None:
             built.append(True)
-            build_step(model, spec, backend, recipe, folder, calibration, device)
+            # one export per step, weights and shapes, shared by every recipe and backend built from it (the
+            # exports' store has a lock of its own: taking it inside this store's build lock cannot deadlock)
+            exported = exports.get(export_key, lambda out: export_into(model, spec, out), "")
+            build_step(model, spec, backend, recipe, folder, calibration, device, exported)
 
         folder = store.get(key, make if build else None, build_command(launch, backend, recipe))
         if progress is not None:

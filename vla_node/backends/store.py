@@ -9,6 +9,9 @@ that builds it. A build writes into a temporary folder and renames it into place
 half-written engine behind. Builds hold the store's lock (an flock on its folder, which the kernel drops with the
 process): two processes never build the same engine at once, and under the lock a temporary folder is one a killed
 build left behind, removed before the next build.
+
+A store's `exports/` is a store of its own: one fp32 ONNX export per step, weights and shapes (and exporter
+versions), which every recipe and backend built from that step copies instead of exporting again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vla_node.backends.folders import replaced_folder, sha256
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+EXPORTS = "exports"  # a store's sub-store of fp32 ONNX exports, one per step, weights and shapes, for every recipe
 # folders.replaced_folder's temporary folders: "." + the engine folder's name + "-" + mkdtemp's 8 characters
 _BUILDING = re.compile(r"\.[^/]+-[0-9a-f]{16}-[a-z0-9_]{8}")
 
