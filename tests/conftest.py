@@ -1,4 +1,8 @@
-"""Four tiers, one folder each; the folder sets the marker (unit, backend, node, drives)."""
+"""Four tiers, one folder each; the folder sets the marker (unit, backend, node, drives).
+
+`realtime` marks what needs the cores to itself: every node-tier test (a node process with deadlines, a client, a
+replay at its recorded rate) and the drives tests that start a node. `make test` runs everything else in parallel
+processes first, then the realtime tests one at a time."""
 
 from pathlib import Path
 
@@ -14,12 +18,21 @@ torch.set_num_threads(1)
 TIERS = ("unit", "backend", "node", "drives")
 
 
+def in_parallel_run(config: pytest.Config) -> bool:
+    """A pytest-xdist worker: other test processes share the cores (make test's first part)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = Path(item.path).parent.name
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier == "node":
+            item.add_marker(pytest.mark.realtime)
+    if in_parallel_run(config):  # the longest files first, so that the run does not end waiting on one of them
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
@@ -35,10 +48,11 @@ TRAINED_TINY = dict(preset="tiny", action_head="bins", steps=600, episodes=32, s
 
 
 @pytest.fixture(scope="session")
-def trained_tiny(tmp_path_factory) -> tuple[Path, dict]:
+def trained_tiny(tmp_path_factory, pytestconfig) -> tuple[Path, dict]:
     from vla_node.train.trainer import TrainConfig, train
 
     path = tmp_path_factory.mktemp("trained") / "tiny-bins"
-    state = train(TrainConfig(**TRAINED_TINY), path, progress=False)
+    parallel = dict(threads=1, workers=1) if in_parallel_run(pytestconfig) else {}  # the other cores run other tests
+    state = train(TrainConfig(**TRAINED_TINY, **parallel), path, progress=False)
     torch.set_num_threads(1)  # training took every core; the other tests keep to one
     return path, state

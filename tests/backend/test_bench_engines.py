@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
 
 
+@pytest.mark.slow
 def test_bench_engines_times_every_step_and_recipe_side_by_side(tmp_path, capsys):
     from vla_node.bench import engines
     from vla_node.model.config import preset

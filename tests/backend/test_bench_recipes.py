@@ -13,6 +13,7 @@ from helpers.clips import write_mp4
 pytest.importorskip("onnxruntime", reason="onnxruntime runs the exported steps")
 
 
+@pytest.mark.slow
 def test_bench_recipes_reports_every_recipe_against_the_torch_steps(tmp_path, capsys):
     from vla_node.bench import recipes
 

@@ -51,6 +51,7 @@ def agreement(a: list, b: list) -> float:
     return float(np.mean([(x.bins == y.bins).mean() for x, y in zip(a, b)]))
 
 
+@pytest.mark.slow
 def test_onnxruntime_agrees_with_the_torch_steps_on_every_clip(runs):
     for clip, by_backend in runs.items():
         assert len(by_backend["fp32"]) == 2 * FRAMES
@@ -61,6 +62,7 @@ def test_onnxruntime_agrees_with_the_torch_steps_on_every_clip(runs):
         assert worst < 1e-3, clip
 
 
+@pytest.mark.realtime
 def test_the_node_on_onnxruntime_replays_a_real_clip_at_1x(tmp_path, drives_dir):
     """The node process on ONNX Runtime engines (built at its start into a fresh store), a real clip replayed at
     its recorded rate: (nearly) every frame processed, no deadline missed, report.json naming the backend and recipe."""

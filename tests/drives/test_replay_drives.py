@@ -19,6 +19,8 @@ from vla_node.drives.convert import convert_video
 from vla_node.drives.replay import replay
 from vla_node.node.process import private_addresses
 
+pytestmark = pytest.mark.realtime  # real nodes and replays at the recorded rate
+
 CLIPS = ("day_freeway_solid_white_right.mp4", "day_freeway_two_cars.mp4", "day_freeway_tree_shadows.mp4")
 
 

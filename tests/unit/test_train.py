@@ -102,6 +102,7 @@ def test_train_config_is_checked_and_the_schedule_warms_up_and_decays():
     assert learning_rate(config, 999) == pytest.approx(1e-4)
 
 
+@pytest.mark.slow
 def test_a_short_run_learns_to_drive_better_than_random_weights(trained_tiny):
     """A minute's run (600 steps, 32 episodes) lowers the loss on its own and on held-out episodes and keeps the car
     on the road longer than random weights; how well it drives varies from run to run (CPU kernels, seeds: measured
@@ -120,6 +121,7 @@ def test_a_short_run_learns_to_drive_better_than_random_weights(trained_tiny):
     assert sum(trained_s) > 2 * sum(random_s), (trained_s, random_s)
 
 
+@pytest.mark.slow
 def test_a_run_resumes_from_its_snapshot_and_refuses_another_runs_folder(trained_tiny, tmp_path):
     path, state = trained_tiny
     path = Path(shutil.copytree(path, tmp_path / "run"))
