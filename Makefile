@@ -13,10 +13,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/vla-node demo
 
-# Everything but the realtime tests in parallel processes (one per core, at most 4), then the realtime tests one at a
-# time on an otherwise idle machine (tests/conftest.py); both always run, and either failing fails the target.
+# Everything but the realtime tests in parallel processes (one per core, at most 4; whole files, in collection order:
+# tests/conftest.py puts the slow ones first), then the realtime tests one at a time on an otherwise idle machine; both
+# always run, and either failing fails the target.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not realtime" -n auto --maxprocesses 4 --dist loadfile; parallel=$$?; \
+	$(PY) -m pytest -q -m "not realtime" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder; parallel=$$?; \
 	$(PY) -m pytest -q -m realtime; realtime=$$?; \
 	test $$parallel -eq 0 && test $$realtime -eq 0
 

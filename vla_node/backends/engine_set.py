@@ -253,13 +253,13 @@ def exported_engines(model: VLA, specs: Mapping[str, StepSpec], backend: str, re
     digest = weights_digest(model)
     version = backend_version(backend)
     where = device_description(device)
-    exports = EngineStore(store.root / EXPORTS)
+    exports, exporter = EngineStore(store.root / EXPORTS), exporter_version()
     engines, folders = {}, {}
     for index, (name, spec) in enumerate(specs.items()):
         key = EngineKey(step=name, recipe=recipe, backend=backend, backend_version=version, device=where,
                         weights=digest, shapes=spec.shapes(), options=spec.options,
                         calibration=calibration.step_digest(name) if recipe == "int8-trt" and calibration else None)
-        export_key = dataclasses.replace(key, recipe="export", backend="onnx", backend_version=exporter_version(),
+        export_key = dataclasses.replace(key, recipe="export", backend="onnx", backend_version=exporter,
                                          calibration=None)
         started = time.monotonic()
         built = []
