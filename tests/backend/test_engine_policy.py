@@ -145,6 +145,26 @@ def test_a_stage_stopped_between_engine_calls_changes_nothing(stop_at):
     assert policy.update_vision(images, tokens, False, None, state).chunk is not None
 
 
+def test_a_tick_run_without_committing_changes_nothing_and_equals_the_next_tick():
+    """commit=False (the node's timing run of the action stage): the chunk the committed tick then gives, bit for
+    bit, and every buffer, the ring count and the chunk after as without the timing run."""
+    config = preset("tiny")
+    timed, plain = engine_policy("tiny", CacheConfig()), engine_policy("tiny", CacheConfig())
+    for policy in (timed, plain):
+        policy.update_text("keep the lane")
+    for images, tokens, state in frames(config, 3):
+        for policy in (timed, plain):
+            policy.update_vision(images, tokens, False, None, state)
+        before = snapshot(timed)
+        counts = (timed.frame_count, timed.state_count)
+        dry = timed.action_tick(state, commit=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(timed)))
+        assert (timed.frame_count, timed.state_count) == counts
+        committed, expected = timed.action_tick(state), plain.action_tick(state)
+        for chunk in (dry, committed):
+            assert torch.equal(chunk.logits, expected.logits) and np.array_equal(chunk.bins, expected.bins)
+
+
 def test_after_warm_up_no_storage_or_binding_pointer_changes(tmp_path):
     """Over many frames and ticks on ONNX Runtime: the same storage pointers, and no engine binds anew after the
     first two frames (live and staged state swap: each engine holds one binding per side)."""

@@ -172,6 +172,8 @@ def test_the_engine_policy_on_torch_steps_equals_the_eager_policy(state):
         policy.action_tick(state_now, steps=3)
     with pytest.raises(StageAborted, match="before the flow tick step"):
         policy.action_tick(state_now, lambda fraction: False)
+    with pytest.raises(ValueError, match="commit=False"):  # a timing run is the bins tick's
+        policy.action_tick(state_now, commit=False)
     assert policy.state_count == eager.state_count  # a refused or stopped tick commits nothing
     assert_same_chunks([policy.action_tick(state_now)], [eager.action_tick(state_now)])
 

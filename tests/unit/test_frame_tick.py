@@ -138,6 +138,45 @@ def test_where_the_tick_cannot_join_the_frame_the_update_leaves_it_to_the_caller
     assert policy.state_count == 0
 
 
+@pytest.mark.parametrize("decode", ["parallel", "autoregressive"])
+def test_a_tick_run_without_committing_changes_nothing_and_equals_the_next_tick(decode):
+    """commit=False (the node's timing run of the action stage, after a frame whose tick ran in its pass): the chunk
+    the committed tick then gives, and nothing changed: a twin that never ran it gives the same chunks, bit for
+    bit. Timed after a frame's commit (stored states stale: the fused block) and after a tick (the plain block)."""
+    timed, plain = twins(CacheConfig(text_dtype="fp32", action_dtype="fp32"),
+                         SIXTEEN.replace(action_decode=decode))
+    for policy in (timed, plain):
+        policy.update_text("follow the lane")
+    for i, (frame, state) in enumerate(frames_and_states(4)):
+        images = timed.prepare_frames([frame])
+        tokens = None if i % 2 == 0 else [torch.tensor([0, 3, 9])]
+        for policy in (timed, plain):
+            update = policy.update_vision(images, tokens, state=state)
+            if update.chunk is None:  # autoregressive: the tick is the caller's
+                policy.action_tick(state)
+        for tick_state in (state, -state):
+            before, prefix = storage(timed), prefix_part(timed._prefix) if timed._prefix is not None else []
+            counts = (timed.frame_count, timed.state_count)
+            dry = timed.action_tick(tick_state, commit=False)
+            assert all(torch.equal(x, y) for x, y in zip(before, storage(timed)))
+            assert all(torch.equal(x, y) for x, y in zip(prefix, prefix_part(timed._prefix) if prefix else []))
+            assert (timed.frame_count, timed.state_count) == counts
+            committed, expected = timed.action_tick(tick_state), plain.action_tick(tick_state)
+            for chunk in (dry, committed):
+                assert torch.equal(chunk.logits, expected.logits) and np.array_equal(chunk.bins, expected.bins)
+
+
+def test_a_flow_tick_always_commits():
+    policy = MultiRatePolicy(build_vla(preset("tiny").replace(action_head="flow", flow_steps=2), seed=1),
+                             CacheConfig())
+    policy.update_text("go")
+    frame, state = next(frames_and_states(1))
+    policy.update_vision(policy.prepare_frames([frame]))
+    with pytest.raises(ValueError, match="commit=False"):
+        policy.action_tick(state, commit=False)
+    assert policy.state_count == 0
+
+
 def test_a_bad_state_is_refused_before_anything_runs():
     policy = MultiRatePolicy(build_vla(preset("tiny"), seed=1), CacheConfig())
     policy.update_text("go")

@@ -106,18 +106,22 @@ def test_a_frames_tick_runs_in_its_vision_pass_and_the_action_cost_stays_measure
     pipeline = Pipeline(load_launch(TINY), clock, warm_up_rounds=1)
     costs = pipeline.scheduler.costs
     half_age_ns = int(pipeline.config.scheduler.cost_max_age_ms * 1e6) // 2
-    # (gap before the frame, pixel value, where the tick runs): the first frame measures the action stage on its
-    # own; then the ticks join their frames' passes, except where nothing changed (the same frame again: no pass)
-    # and once the action stage's last sample is half cost_max_age_ms old (measured on its own again)
-    steps = [(0, 40, None), (100_000_000, 90, "vision"), (100_000_000, 90, None), (100_000_000, 200, "vision"),
-             (half_age_ns, 30, None), (100_000_000, 120, "vision")]
-    for seq, (gap, value, within) in enumerate(steps):
+    ticks = pipeline.policy.state_count  # the warm-up's
+    # (gap before the frame, pixel value, where the tick runs, action samples after the frame): the ticks join
+    # their frames' passes, except where nothing changed (the same frame again: no pass, the stage runs on its own
+    # and is a sample); the first frame and the one after half cost_max_age_ms have the action stage timed after
+    # their chunks went out (a tick that commits nothing)
+    steps = [(0, 40, "vision", 1), (100_000_000, 90, "vision", 1), (100_000_000, 90, None, 2),
+             (100_000_000, 200, "vision", 2), (half_age_ns, 30, "vision", 3), (100_000_000, 120, "vision", 3)]
+    for seq, (gap, value, within, samples) in enumerate(steps):
         clock.now += gap
         rgb = np.full((48, 64, 3), value, np.uint8)
         plan = pipeline.process([Frame("front", seq, clock.now, "rgb8", 48, 64, rgb)], None,
                                 np.full(4, seq, np.float32))
         runs = {run.stage: run for run in plan.budget.runs}
         assert runs["vision"].within is None and runs["action"].within == within, (seq, runs)
+        assert costs.count("action") == samples, seq
         out = pipeline.broker.next(clock.now)
         assert out.status is TickStatus.FRESH and out.frame_seq == seq
-    assert costs.count("action") == 3 and costs.count(plan.cost_keys[1]) == len(steps)
+    assert costs.count(plan.cost_keys[1]) == len(steps)
+    assert pipeline.policy.state_count == ticks + len(steps)  # a committed tick a frame: timing runs commit nothing

@@ -773,6 +773,25 @@ def test_the_action_stage_wants_a_sample_of_its_own_every_half_cost_max_age():
     assert sched.wants_action_sample(plan, T0 + 1004 * MS)  # 1000 ms after the sample, recorded at T0 + 4 ms
 
 
+def test_a_sample_recorded_after_the_frame_counts_as_the_stages_own_run():
+    """record_sample: the action stage timed after its frame (whose tick ran in the vision pass) is a cost sample
+    like a run of its own, restarts the half-age wait and moves the load factor; no deadline is judged."""
+    sched = Scheduler(SchedulerConfig(cost_max_age_ms=2000.0), {"text": 20, "vision": 20, "action": 5})
+    plan = sched.plan_frame(T0, T0, False)
+    plan.budget.begin("vision", T0)
+    plan.budget.end("vision", T0 + 18 * MS)
+    plan.budget.done_within("action", "vision")
+    sched.finish_frame(T0 + 18 * MS, T0, plan.budget.outcome())
+    assert sched.costs.count("action") == 0 and sched.wants_action_sample(plan, T0 + 18 * MS)
+    sched.record_sample(plan, "action", 10 * MS, T0 + 28 * MS)
+    assert sched.costs.count("action") == 1 and sched.costs.quantile_ns("action") == 10 * MS
+    assert sched.load_factor == 2.0  # 10 ms measured against the 5 ms prior
+    assert not sched.wants_action_sample(plan, T0 + 1027 * MS) and sched.wants_action_sample(plan, T0 + 1028 * MS)
+    assert sched.missed_frames == 0 and sched.frames == 1
+    with pytest.raises(ValueError, match="'tick'"):
+        sched.record_sample(plan, "tick", MS, T0 + 30 * MS)
+
+
 # -- a forced level (scheduler.min_level) -------------------------------------------------------------------
 
 

@@ -149,7 +149,19 @@ class Pipeline:
                               reuse_ratio=reuse_ratio, origin_ns=origin, denoising_steps=chunk.denoising_steps)
         self.frames_processed += 1
         sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
+        if chunk is not None and update is not None and update.chunk is not None \
+                and sched.wants_action_sample(plan, self.clock()):
+            self._sample_action(policy, plan)
         return plan
+
+    def _sample_action(self, policy: MultiRatePolicy, plan: FramePlan) -> None:
+        """The action stage timed on its own, after its frame's chunk (decoded in the vision pass) was offered, so
+        that measuring it never delays a fresh action: the same tick again, committing nothing."""
+        start = self.clock()
+        policy.action_tick(self.state, commit=False)
+        self.sync()
+        end = self.clock()
+        self.scheduler.record_sample(plan, "action", end - start, end)
 
     def _tick(self, policy: MultiRatePolicy, steps: int | None, budget, check):
         """The action stage. Flow head: `steps` Euler steps (the level's; None: the model's), and with real-time
@@ -175,12 +187,9 @@ class Pipeline:
     def _vision(self, policy: MultiRatePolicy, frames: list[Frame], knobs, plan: FramePlan, run):
         """The vision stage: resize to the model input, plan reuse, update; the gates commit with it. When the
         action stage follows, its tick is handed to the update (it decodes it in the frame's pass where it can;
-        its budget stays reserved for a stage that stops halfway), except on the frames where the scheduler wants
-        the action stage's cost measured on its own."""
+        its budget stays reserved for a stage that stops halfway)."""
         c = policy.config
-        state = None
-        if plan.run_action and not self.scheduler.wants_action_sample(plan, self.clock()):
-            state = self.state
+        state = self.state if plan.run_action else None
         if policy is self.small or plan.instruction_changed:
             # the smaller engine's cache is not kept frame by frame, and a new instruction invalidates
             # every cached vision token: a full refresh either way

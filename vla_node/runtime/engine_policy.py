@@ -44,7 +44,7 @@ from vla_node.model.config import ModelConfig
 from vla_node.model.flow import ChunkGuide, tick_noise
 from vla_node.model.tokenizer import encode
 from vla_node.model.vla import VLA, to_pixels
-from vla_node.runtime.policy import Check, MultiRatePolicy, StageAborted, VisionUpdate, on_device
+from vla_node.runtime.policy import Check, MultiRatePolicy, StageAborted, VisionUpdate, on_device, require_commit
 from vla_node.runtime.reuse import ReuseConfig
 
 
@@ -323,14 +323,15 @@ class EnginePolicy(MultiRatePolicy):
     # --- action -----------------------------------------------------------------------------------------
     @on_device
     def action_tick(self, state, check: Check | None = None, steps: int | None = None,
-                    guide: ChunkGuide | None = None) -> ActionChunk:
+                    guide: ChunkGuide | None = None, commit: bool = True) -> ActionChunk:
         """The tick step over the prefix: the new state in its ring slot, the other stored states recomputed, the
-        action queries decoded; committed at the end. The flow head: _flow_tick (`steps` Euler steps, guided toward
-        `guide` where given)."""
+        action queries decoded; committed at the end (commit=False: nothing committed, a timing run; bins only). The
+        flow head: _flow_tick (`steps` Euler steps, guided toward `guide` where given)."""
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
         c = self.config
         if c.action_head == "flow":
+            require_commit(commit)
             return self._flow_tick(state, check, steps, guide)
         if steps is not None or guide is not None:
             raise ValueError(f"denoising steps {steps!r} / guide: the flow head's; this model's head is bins")
@@ -342,7 +343,8 @@ class EnginePolicy(MultiRatePolicy):
                                   "prefix_k": self._prefix_k, "prefix_v": self._prefix_v,
                                   "bias": self._tick_block_bias}, self._tick_out)
         chunk = self._chunk()
-        self._commit_tick(slot)
+        if commit:
+            self._commit_tick(slot)
         return chunk
 
     # --- the flow head's tick ----------------------------------------------------------------------------

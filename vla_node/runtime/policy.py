@@ -58,6 +58,12 @@ def fused_attention_pays(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_runs_amx()
 
 
+def require_commit(commit: bool) -> None:
+    """A flow tick writes its state into the tick's prefix buffer as it runs: it always commits."""
+    if not commit:
+        raise ValueError("action_tick(commit=False) on the flow head: only a bins tick runs without committing")
+
+
 def on_device(verb):
     """Run a policy verb in inference mode with its device as the default for new tensors."""
 
@@ -489,13 +495,15 @@ class MultiRatePolicy:
 
     @on_device
     def action_tick(self, state, check: Check | None = None, steps: int | None = None,
-                    guide: ChunkGuide | None = None) -> ActionChunk:
+                    guide: ChunkGuide | None = None, commit: bool = True) -> ActionChunk:
         """Append the state token (ring slot) and decode an action chunk [H, D]; committed only at the end. The flow
         head integrates `steps` Euler steps (default the model's flow_steps), guided toward `guide` (real-time
-        chunking) where given."""
+        chunking) where given. commit=False (bins): the same work, nothing committed (the ring, its count and the
+        stored states stay as they were): a timing run of the action stage."""
         if not self.text_ids:
             raise RuntimeError("action_tick before update_text: the instruction must be set first")
         if self._flow is not None:
+            require_commit(commit)
             chunk, staged = self._flow.tick(state, check, steps, guide)
             if staged is None:  # the state was the expert's suffix token: nothing in the ring
                 self.state_count += 1
@@ -529,7 +537,8 @@ class MultiRatePolicy:
 
             bins = self._decode_queries(prefix, check)
         chunk = self._tick_chunk(bins, k_s, v_s, position, refreshed)
-        self._commit_tick(slot, x, k_s, v_s, position, refreshed)
+        if commit:
+            self._commit_tick(slot, x, k_s, v_s, position, refreshed)
         return chunk
 
     def _tick_chunk(self, bins: np.ndarray, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,

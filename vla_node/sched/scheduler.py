@@ -382,16 +382,31 @@ class Scheduler:
         return self.costs.estimate(key, self._prior_scale[key])
 
     def wants_action_sample(self, plan: FramePlan, now_ns: int) -> bool:
-        """Whether the planned action stage should run on its own this frame, so that its cost is measured: its
-        key has no sample from the last cost_max_age_ms / 2. A tick decoded inside the frame's vision pass is no
-        sample of the action stage (its time is in the vision stage's), and without samples the action estimate
-        and the load factor would stop following the machine. (With cost_max_age_ms at or below two frame periods
-        every frame measures it, and no tick joins its frame.)"""
+        """Whether the planned action stage should also be timed on its own this frame: its key has no sample from
+        the last cost_max_age_ms / 2. A tick decoded inside the frame's vision pass is no sample of the action
+        stage (its time is in the vision stage's), and without samples the action estimate and the load factor
+        would stop following the machine. The worker times it after the frame's chunk went out (record_sample),
+        or runs the stage on its own where the tick cannot join the pass. (With cost_max_age_ms at or below two
+        frame periods every frame measures it.)"""
         key = plan.cost_keys[2]
         if key is None:
             return False
         stamp = self._last_sample_ns[key]
         return stamp is None or now_ns - stamp >= self._cost_max_age_ns // 2
+
+    def record_sample(self, plan: FramePlan, stage: str, elapsed_ns: int, now_ns: int) -> None:
+        """A cost sample of `plan`'s `stage` measured outside the frame's budget, after finish_frame (the action
+        stage run without committing once the frame's chunk, decoded in its vision pass, had been offered): it
+        counts as the stage's own run in finish_frame does, but judges no deadline."""
+        if stage not in STAGES:
+            raise ValueError(f"record_sample: stage {stage!r}: expected one of {list(STAGES)}")
+        key = dict(zip(STAGES, plan.cost_keys))[stage]
+        if key is None:
+            raise ValueError(f"record_sample: stage {stage!r} is not planned at level {plan.level} "
+                             f"({plan.level_name}): planned {list(plan.stages)}")
+        self.costs.record(key, elapsed_ns)
+        self._last_sample_ns[key] = now_ns
+        self._update_prior_scales()
 
     @property
     def load_factor(self) -> float:
