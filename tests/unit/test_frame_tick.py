@@ -155,11 +155,11 @@ def test_a_tick_run_without_committing_changes_nothing_and_equals_the_next_tick(
             if update.chunk is None:  # autoregressive: the tick is the caller's
                 policy.action_tick(state)
         for tick_state in (state, -state):
-            before, prefix = storage(timed), prefix_part(timed._prefix) if timed._prefix is not None else []
+            before, prefix = storage(timed), prefix_part(timed._prefix)
             counts = (timed.frame_count, timed.state_count)
             dry = timed.action_tick(tick_state, commit=False)
             assert all(torch.equal(x, y) for x, y in zip(before, storage(timed)))
-            assert all(torch.equal(x, y) for x, y in zip(prefix, prefix_part(timed._prefix) if prefix else []))
+            assert all(torch.equal(x, y) for x, y in zip(prefix, prefix_part(timed._prefix)))
             assert (timed.frame_count, timed.state_count) == counts
             committed, expected = timed.action_tick(tick_state), plain.action_tick(tick_state)
             for chunk in (dry, committed):

@@ -149,8 +149,7 @@ class Pipeline:
                               reuse_ratio=reuse_ratio, origin_ns=origin, denoising_steps=chunk.denoising_steps)
         self.frames_processed += 1
         sched.finish_frame(self.clock(), primary.stamp_ns, outcome)
-        if chunk is not None and update is not None and update.chunk is not None \
-                and sched.wants_action_sample(plan, self.clock()):
+        if update is not None and update.chunk is not None and sched.wants_action_sample(plan, self.clock()):
             self._sample_action(policy, plan)
         return plan
 

@@ -404,9 +404,13 @@ class Scheduler:
         if key is None:
             raise ValueError(f"record_sample: stage {stage!r} is not planned at level {plan.level} "
                              f"({plan.level_name}): planned {list(plan.stages)}")
+        self._record(key, elapsed_ns, now_ns)
+        self._update_prior_scales()
+
+    def _record(self, key: str, elapsed_ns: int, now_ns: int) -> None:
+        """One cost sample of `key`, measured by now_ns."""
         self.costs.record(key, elapsed_ns)
         self._last_sample_ns[key] = now_ns
-        self._update_prior_scales()
 
     @property
     def load_factor(self) -> float:
@@ -520,9 +524,7 @@ class Scheduler:
         self._pending = None
         for run in outcome.runs:
             if run.fraction_done > 0 and run.within is None:  # a stopped stage counts as its extrapolated full cost
-                key = keys[run.stage]
-                self.costs.record(key, math.ceil(run.elapsed_ns / run.fraction_done))
-                self._last_sample_ns[key] = now_ns
+                self._record(keys[run.stage], math.ceil(run.elapsed_ns / run.fraction_done), now_ns)
         if outcome.runs:
             self._last_measured_ns = now_ns
             if self._floor < self._min_level:
