@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vla_node.backends.cpu_kernels import use_cpu_kernels
 from vla_node.backends.fp16_weights import use_fp16_weights
 from vla_node.backends.packed_weights import use_packed_weights
 from vla_node.model.checkpoint import load_checkpoint
@@ -28,7 +29,7 @@ def load_model(config: ModelConfig, weights: str, checkpoint: str | None = None,
 
 def convert_weights(model: VLA, weights: str) -> VLA:
     """`model`'s linear layers stored as `weights` (in place; 'packed' also casts the model to bf16), the action
-    expert's excepted (see load_model)."""
+    expert's excepted (see load_model), and its RMSNorms the fused CPU kernel's where it runs (cpu_kernels.py)."""
     if weights == "plain":
         return model
     expert, model.expert = model.expert, None
@@ -36,5 +37,6 @@ def convert_weights(model: VLA, weights: str) -> VLA:
         use_fp16_weights(model)
     else:
         use_packed_weights(model.to(torch.bfloat16))
+    use_cpu_kernels(model)
     model.expert = expert
     return model.to(torch.bfloat16) if weights == "packed" else model

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vla_node.backends import cpu_features
+from vla_node.backends import cpu_features, cpu_kernels
 from vla_node.bench import per_frame
 from vla_node.bench.clips import CLIP_FPS, default_clip
 from vla_node.bench.suite_report import markdown, render_html
@@ -59,10 +59,11 @@ def versions() -> dict[str, str]:
 
 
 def header(threads: int) -> dict:
-    """What ran where: CPU model and flags, the kernels oneDNN and ATen pick, threads, versions, GPU."""
+    """What ran where: CPU model and flags, the kernels oneDNN and ATen pick and whether the fused CPU kernels run,
+    threads, versions, GPU."""
     flags = cpu_features.cpu_flags(cpu_features.read_cpuinfo())
     return {"cpu": cpu_features.cpu_model(), "cpus": os.cpu_count(), "flags": [f for f in FLAGS_SHOWN if f in flags],
-            "kernels": cpu_features.describe(), "bf16_hardware": cpu_features.onednn_runs_bf16(),
+            "kernels": f"{cpu_features.describe()}; fused CPU kernels {cpu_kernels.status()}", "bf16_hardware": cpu_features.onednn_runs_bf16(),
             "threads": threads, "versions": versions(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["vla-node", *sys.argv[1:]])}

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
+from vla_node.backends import cpu_kernels
 from vla_node.backends.refresh_rows import shared_sample
 from vla_node.model.vision import VisionTower, softmax_attention
 
@@ -101,6 +102,8 @@ def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: 
             at = torch.searchsorted(rows, sample)  # the sample's places among the recomputed rows
         change = new.index_select(dim, at).float() - old.index_select(dim, sample).float()
         move = change.mean(dim, keepdim=True)
+        if cpu_kernels.shift(out, old, move, new, rows, dim):  # the same bits in one pass
+            return
         if old.dtype == torch.float32:
             torch.add(old, move, out=out)
         else:  # the move in fp32, rounded once: as out.copy_(old).add_(move) computes it, without its temporaries

@@ -1,0 +1,210 @@
+"""The fused CPU kernels (backends/cpu_kernels.c): RMSNorm as torch's rms_norm rounds it (the sum of squares in
+another order), the shared-drift move bit for bit as torch's ops compute it, built once per source, compiler and
+CPU, and torch's ops wherever they cannot run."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vla_node.backends import cpu_kernels
+from vla_node.model.config import preset
+from vla_node.model.decoder import RMSNorm
+from vla_node.model.vla import build_vla
+from vla_node.runtime.vision_cache import VisionTokenCache, shift_reused
+
+# skipped only without a C compiler: where one exists, a kernel that fails its check against torch (and so is not
+# used) fails these tests instead of skipping them
+needs_kernels = pytest.mark.skipif(cpu_kernels.compiler() is None or cpu_kernels.kernels_switched_off(),
+                                   reason=f"the fused CPU kernels do not run here: {cpu_kernels.status()}")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The process without the kernels (library() None), as where they cannot be built."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """library() rebuilt from scratch into tmp_path; the process's own cached one restored afterwards."""
+    monkeypatch.setenv("VLA_NODE_KERNEL_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu_kernels.library.cache_clear()
+    cpu_kernels.library()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 512), (17, 512), (216, 512), (3, 40), (2, 5, 517)])
+def test_rms_norm_rounds_as_torch_but_for_its_sum_order(dtype, shape):
+    """Every value equals torch's or, in bf16, is the neighbouring bf16 value (the sum of squares adds in another
+    order: its last bit may differ), and few are; in fp32 within a few fp32 steps."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=generator) * 3).to(dtype)
+    norm = cpu_kernels.KernelRMSNorm(shape[-1], 1e-6).to(dtype)
+    norm.weight.data.copy_(torch.randn(shape[-1], generator=generator))
+    with torch.inference_mode():
+        got = norm(x)
+    want = F.rms_norm(x, (shape[-1],), norm.weight, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.bfloat16:
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()  # same signs: bit patterns count steps
+        assert int(steps.max()) <= 1
+        assert int((steps > 0).sum()) <= 4 + x.numel() // 5000  # about 1 in 10^5 measured
+    else:
+        torch.testing.assert_close(got, want, rtol=4 * 2.0**-23, atol=0)
+
+
+@needs_kernels
+def test_rms_norm_leaves_for_torch_where_the_kernel_does_not_apply():
+    """With gradients (training), a strided input or another weight dtype the norm is RMSNorm's own torch form:
+    the same bits, and a gradient flows."""
+    generator = torch.Generator().manual_seed(0)
+    plain = RMSNorm(64, 1e-6)
+    plain.weight.data.copy_(torch.randn(64, generator=generator))
+    norm = cpu_kernels.KernelRMSNorm(64, 1e-6)
+    norm.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 64, generator=generator, requires_grad=True)
+    out = norm(x)
+    assert torch.equal(out, plain(x))
+    out.sum().backward()
+    assert x.grad is not None
+    with torch.inference_mode():
+        strided = torch.randn(64, 8, generator=generator).t()  # [8, 64], not contiguous
+        assert torch.equal(norm(strided), plain(strided))
+        assert torch.equal(norm(strided.bfloat16()), plain(strided.bfloat16()))  # fp32 weight, bf16 x
+
+
+def _torch_shift(old, new, rows, sample, dim):
+    """shift_reused's torch form (no kernel): a copy to fp32, the add, a copy back, the index_copy."""
+    out = torch.empty_like(old)
+    at = torch.searchsorted(rows, sample)
+    move = (new.index_select(dim, at).float() - old.index_select(dim, sample).float()).mean(dim, keepdim=True)
+    out.copy_((old.float() + move).to(old.dtype))
+    return out.index_copy_(dim, rows, new)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["tokens-first", "heads", "permuted-qkv"])
+def test_the_shared_drift_move_gives_torchs_bits(dtype, layout):
+    """shift_reused through the kernel against its torch form: tokens first ([T, W], dim 0), per head ([H, T, hd],
+    dim 1) and the packed q|k|v view ([n, 3, H, hd] permuted to [3, H, n, hd], dim 2), rows at both ends."""
+    generator = torch.Generator().manual_seed(1)
+    tokens, rows = 23, torch.tensor([0, 4, 5, 11, 22])
+    sample = rows[[1, 3]]
+    shapes = {"tokens-first": ((tokens, 48), 0), "heads": ((3, tokens, 16), 1),
+              "permuted-qkv": ((3, 2, tokens, 16), 2)}
+    shape, dim = shapes[layout]
+    old = torch.randn(shape, generator=generator).to(dtype)
+    if layout == "permuted-qkv":
+        new = torch.randn(rows.numel(), 3, 2, 16, generator=generator).to(dtype).permute(1, 2, 0, 3)
+    else:
+        new_shape = list(shape)
+        new_shape[dim] = rows.numel()
+        new = torch.randn(new_shape, generator=generator).to(dtype)
+    out = torch.full_like(old, float("nan"))
+    with torch.inference_mode():
+        shift_reused(out, old, new, rows, sample, dim)
+    assert torch.equal(out, _torch_shift(old, new, rows, sample, dim))
+    if layout == "permuted-qkv":
+        assert not new.is_contiguous()  # the kernel read the view's own strides
+
+
+@needs_kernels
+def test_a_layout_the_kernel_cannot_read_is_left_to_torch():
+    """fresh whose dims after the token dim are not contiguous: the kernel declines (False), shift_reused's torch
+    form gives the result."""
+    old = torch.randn(6, 4, 8)
+    fresh = torch.randn(2, 8, 4).transpose(1, 2)  # [2, 4, 8], inner dims strided
+    rows, move = torch.tensor([1, 4]), torch.zeros(1, 4, 8)
+    with torch.inference_mode():
+        assert cpu_kernels.shift(torch.empty_like(old), old, move, fresh, rows, 0) is False
+        out = torch.empty_like(old)
+        shift_reused(out, old, fresh, rows, rows[:1], 0)
+    assert torch.equal(out, _torch_shift(old, fresh, rows, rows[:1], 0))
+
+
+def _tower_refreshes(dtype):
+    """A tiny tower cache's full refresh and two partial ones (shared drift on), each output and the cached
+    q|k|v after them."""
+    config = preset("tiny").replace(image_size=64)
+    tower = build_vla(config, seed=3).to(dtype).vision
+    rng = np.random.default_rng(2)
+    frames = [torch.from_numpy(rng.random((3, 64, 64), np.float32)).to(dtype) for _ in range(3)]
+    cache = VisionTokenCache(tower, 1, dtype, shared_drift_samples=2)
+    outputs = []
+    for frame, tokens in zip(frames, (None, torch.tensor([0, 3, 5, 9]), torch.tensor([1, 2, 14]))):
+        outputs.append(cache.refresh(0, frame, tokens).clone())
+        cache.commit()
+    return outputs + [cache.qkv.clone(), cache.attn_out.clone(), cache.mlp_out.clone()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tower_cache_refresh_is_bit_for_bit_the_same_with_the_kernels(dtype, monkeypatch):
+    """The tower has no RMSNorm, so its reuse path with the kernel's moves equals torch's ops' bit for bit."""
+    with_kernels = _tower_refreshes(dtype)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    for got, want in zip(with_kernels, _tower_refreshes(dtype)):
+        assert torch.equal(got, want)
+
+
+@needs_kernels
+def test_use_cpu_kernels_swaps_every_rmsnorm_and_keeps_its_weights():
+    model = build_vla(preset("tiny"), seed=0)
+    weights = {name: p.clone() for name, p in model.state_dict().items()}
+    cpu_kernels.use_cpu_kernels(model)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(type(m) is cpu_kernels.KernelRMSNorm for m in norms)
+    assert all(torch.equal(p, weights[name]) for name, p in model.state_dict().items())
+
+
+def test_without_the_kernels_torchs_ops_run(torch_ops):
+    """Where the library cannot run, KernelRMSNorm is RMSNorm and the move is torch's; use_cpu_kernels swaps
+    nothing."""
+    model = cpu_kernels.use_cpu_kernels(build_vla(preset("tiny"), seed=0))
+    assert not any(isinstance(m, cpu_kernels.KernelRMSNorm) for m in model.modules())
+    norm, x = cpu_kernels.KernelRMSNorm(32, 1e-6), torch.randn(4, 32)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), RMSNorm(32, 1e-6)(x))
+        assert cpu_kernels.shift(torch.empty(4, 32), x, torch.zeros(1, 32), x[:1], torch.tensor([0]), 0) is False
+
+
+@needs_kernels
+def test_with_a_c_compiler_the_kernels_build_and_pass_their_check_against_torch():
+    assert cpu_kernels.library() is not None, cpu_kernels.status()
+
+
+@needs_kernels
+def test_the_library_is_built_once_per_source_compiler_and_cpu(fresh_library):
+    lib = cpu_kernels.library()
+    assert isinstance(lib, ctypes.CDLL)
+    built = list(fresh_library.glob("cpu_kernels-*.so"))
+    assert len(built) == 1 and "built with" in cpu_kernels.status()
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_kernels.build(cpu_kernels.compiler(), fresh_library) == built[0]
+    assert built[0].stat().st_mtime_ns == stamp  # the cached one, not rebuilt
+    assert not list(fresh_library.glob("*.partial"))
+
+
+def test_a_failing_compiler_leaves_torchs_ops_and_says_why(fresh_library, monkeypatch, tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such compiler feature' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    assert cpu_kernels.library() is None
+    assert "unavailable" in cpu_kernels.status() and "no such compiler feature" in cpu_kernels.status()
+    assert not list(fresh_library.glob("*.so*"))  # no partial library left behind
+
+
+def test_the_kernels_can_be_switched_off(fresh_library, monkeypatch):
+    monkeypatch.setenv("VLA_NODE_CPU_KERNELS", "0")
+    assert cpu_kernels.library() is None
+    assert cpu_kernels.status() == "off (VLA_NODE_CPU_KERNELS=0)"

@@ -1,0 +1,239 @@
+"""Fused CPU kernels (cpu_kernels.c) for the elementwise work eager PyTorch runs as several passes over memory.
+
+A warm reuse frame of `small` in bf16 on a CPU spends about a quarter of its time in ATen's elementwise kernels
+and copies, most of it in two places: RMSNorm, which torch's CPU build runs as its decomposition (an fp32 copy,
+pow, mean, add, rsqrt, two multiplies, a copy back: 232 us at 216 x 512 on an AMX Xeon, one thread), and the
+shared-drift moves of the reused tokens' cached parts (runtime/vision_cache.shift_reused: a copy to fp32, an add,
+a copy back and an index_copy: 368 us for a tower layer's [3, 6, 196, 64]). Here each is one pass: 74 and 77 us.
+
+The C source is built at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3
+-march=native) into a cache directory (`$VLA_NODE_KERNEL_DIR`, else `$XDG_CACHE_HOME/vla-node/kernels` or
+~/.cache/vla-node/kernels), keyed by the source, compiler, flags and CPU, so a cached library never runs on a CPU
+it was not built for; about 0.3 s to build, a millisecond to load. Before it is used, each kernel is checked
+against torch on a small input. Where no compiler is found, the build fails or the check does, or
+`VLA_NODE_CPU_KERNELS=0` is set, `library()` is None and torch's ops run (`status()` says why).
+
+Bits: the move is torch's own arithmetic (fp32 add, one rounding) and gives the same bits. The norm rounds as
+torch's rms_norm does except its sum of squares, which adds in another order than torch's reduction: about one
+value in 10^5 lands one bf16 rounding away (none in fp32 beyond the sum's last bit). Only inference uses them:
+with gradients enabled, or under tracing or compiling, torch's ops run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vla_node.model.decoder import RMSNorm
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+_KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "vla_rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
+    "vla_shift": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I],
+}
+_status = "not loaded yet"
+
+
+def kernel_dir() -> Path:
+    """Where built kernel libraries are cached."""
+    if os.environ.get("VLA_NODE_KERNEL_DIR"):
+        return Path(os.environ["VLA_NODE_KERNEL_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "vla-node" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else the first of cc, gcc, clang on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature lines (a library built with -march=native runs only where they match)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keys]
+    return "\n".join(dict.fromkeys(lines))  # the first processor's lines, each once
+
+
+def build(cc: str, directory: Path) -> Path:
+    """The library for this source, compiler and CPU: the cached one, else built now (atomically: parallel
+    processes may build it at once). Raises RuntimeError with the compiler's output when the build fails."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
+                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    path = directory / f"cpu_kernels-{key}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} {' '.join(FLAGS)} {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built if needed and checked against torch; None where they cannot run (status())."""
+    global _status
+    if kernels_switched_off():
+        _status = "off (VLA_NODE_CPU_KERNELS=0)"
+        return None
+    cc = compiler()
+    if cc is None:
+        _status = "unavailable: no C compiler (set CC, or install gcc or clang)"
+        return None
+    try:
+        path = build(cc, kernel_dir())
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            for kind in _KINDS.values():
+                getattr(lib, f"{name}_{kind}").argtypes = argtypes
+        _self_check(lib)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _status = f"unavailable: {error}"
+        log.warning("cpu kernels %s; torch's ops run instead", _status)
+        return None
+    _status = f"built with {Path(cc).name} {' '.join(FLAGS[:3])} ({path})"
+    log.info("cpu kernels %s", _status)
+    return lib
+
+
+def kernels_switched_off() -> bool:
+    """Whether VLA_NODE_CPU_KERNELS=0 keeps torch's ops (for comparisons)."""
+    return os.environ.get("VLA_NODE_CPU_KERNELS", "1") == "0"
+
+
+def status() -> str:
+    """One line for reports: whether the fused kernels run here, and how they were built or why not."""
+    library()
+    return _status
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """Each kernel against torch on a small input; RuntimeError on a difference beyond what the docstring says."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in _KINDS:
+        x = torch.randn(5, 40, generator=generator).to(dtype)
+        weight = torch.randn(40, generator=generator).to(dtype)
+        want = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6).float()
+        got = _rms_norm(lib, x, weight, 1e-6).float()
+        if not torch.allclose(got, want, rtol=2 ** -7, atol=0):
+            raise RuntimeError(f"rms_norm {dtype} differs from torch's by {(got - want).abs().max().item()}")
+        old = torch.randn(2, 7, 3, generator=generator).to(dtype)
+        fresh = torch.randn(2, 3, 3, generator=generator).to(dtype)
+        move = torch.randn(2, 1, 3, generator=generator)
+        rows = torch.tensor([0, 4, 6])
+        want = (old.float() + move).to(dtype).index_copy_(1, rows, fresh)
+        got = torch.empty_like(old)
+        _shift(lib, got, old, move, fresh, rows, 1)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
+
+
+def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm of contiguous x [..., cols] by weight [cols], both of one kernel dtype."""
+    out = torch.empty_like(x)
+    cols = x.shape[-1]
+    getattr(lib, f"vla_rms_norm_{_KINDS[x.dtype]}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                                     x.numel() // cols, cols, eps)
+    return out
+
+
+def _shift(lib: ctypes.CDLL, out: torch.Tensor, old: torch.Tensor, move: torch.Tensor, fresh: torch.Tensor,
+           rows: torch.Tensor, dim: int) -> None:
+    """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`; out, old, move and rows contiguous, fresh
+    a strided view that _fresh_strides accepts."""
+    outer_stride, token_stride = _fresh_strides(fresh, dim)
+    getattr(lib, f"vla_shift_{_KINDS[old.dtype]}")(
+        old.data_ptr(), move.data_ptr(), fresh.data_ptr(), outer_stride, token_stride, rows.data_ptr(),
+        rows.numel(), out.data_ptr(), old.shape[:dim].numel(), old.shape[dim], old.shape[dim + 1:].numel())
+
+
+def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:
+    """fresh's strides as [outer, n, inner] (its dims before `dim` flattened, those after contiguous), or None
+    where its layout has no such form."""
+    sizes, strides = fresh.shape, fresh.stride()
+    inner = 1
+    for d in range(fresh.dim() - 1, dim, -1):  # the dims after `dim`: contiguous
+        if sizes[d] != 1 and strides[d] != inner:
+            return None
+        inner *= sizes[d]
+    outer_stride, span = 0, None
+    for d in range(dim - 1, -1, -1):  # the dims before `dim`: one stride when flattened
+        if sizes[d] == 1:
+            continue
+        if span is None:
+            outer_stride = strides[d]
+        elif strides[d] != span:
+            return None
+        span = strides[d] * sizes[d]
+    return outer_stride, strides[dim]
+
+
+def _eager() -> bool:
+    """Whether this call may leave torch's ops: inference, no tracing or compiling."""
+    return not (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling())
+
+
+def shift(out: torch.Tensor, old: torch.Tensor, move: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor,
+          dim: int) -> bool:
+    """The shared-drift move by the fused kernel where it applies (CPU, bf16 or fp32, every tensor contiguous but
+    fresh, which may be a view: _fresh_strides; inference); False where it does not, and the caller runs torch's."""
+    lib = library()
+    if (lib is None or old.dtype not in _KINDS or out.dtype != old.dtype or fresh.dtype != old.dtype
+            or move.dtype != torch.float32 or rows.dtype != torch.int64 or old.device.type != "cpu"
+            or not (out.is_contiguous() and old.is_contiguous() and move.is_contiguous() and rows.is_contiguous())
+            or _fresh_strides(fresh, dim) is None or not _eager()):
+        return False
+    _shift(lib, out, old, move, fresh, rows, dim)
+    return True
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm by the fused kernel where it applies (CPU, x and the weight of one kernel dtype, x contiguous,
+    inference), else RMSNorm's own torch form."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = library()
+        if (lib is None or x.dtype not in _KINDS or self.weight.dtype != x.dtype or x.device.type != "cpu"
+                or not x.is_contiguous() or not _eager()):
+            return super().forward(x)
+        return _rms_norm(lib, x, self.weight, self.eps)
+
+
+def use_cpu_kernels(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every RMSNorm under `module` a KernelRMSNorm (in place, same parameters); returns the module. A no-op
+    where the kernels cannot run here."""
+    if library() is not None:
+        for norm in module.modules():
+            if type(norm) is RMSNorm:
+                norm.__class__ = KernelRMSNorm
+    return module
