@@ -118,14 +118,33 @@ def test_the_shared_drift_move_gives_torchs_bits(dtype, layout):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("samples", [1, 2, 3, 5, 7, 8, 13, 16])
+def test_the_moves_mean_change_is_torchs_for_any_sample_size(dtype, samples):
+    """The mean over the sample sums in the sample's order and divides, as torch's mean does (not a multiply by
+    1/s: 3, 5, 7 and 13 would round differently), bit for bit, with values of mixed scales."""
+    generator = torch.Generator().manual_seed(samples)
+    tokens = 40
+    rows = torch.randperm(tokens, generator=generator)[: samples + 4].sort().values
+    sample = rows[torch.randperm(rows.numel(), generator=generator)[:samples].sort().values]
+    scales = torch.logspace(-3, 3, 64)[torch.randperm(64, generator=generator)]
+    old = (torch.randn(tokens, 64, generator=generator) * scales).to(dtype)
+    new = (torch.randn(rows.numel(), 64, generator=generator) * scales).to(dtype)
+    out = torch.empty_like(old)
+    with torch.inference_mode():
+        shift_reused(out, old, new, rows, sample, 0)
+    assert torch.equal(out, _torch_shift(old, new, rows, sample, 0))
+
+
+@needs_kernels
 def test_a_layout_the_kernel_cannot_read_is_left_to_torch():
     """fresh whose dims after the token dim are not contiguous: the kernel declines (False), shift_reused's torch
     form gives the result."""
     old = torch.randn(6, 4, 8)
     fresh = torch.randn(2, 8, 4).transpose(1, 2)  # [2, 4, 8], inner dims strided
-    rows, move = torch.tensor([1, 4]), torch.zeros(1, 4, 8)
+    rows = torch.tensor([1, 4])
     with torch.inference_mode():
-        assert cpu_kernels.shift(torch.empty_like(old), old, move, fresh, rows, 0) is False
+        assert cpu_kernels.shift(torch.empty_like(old), old, fresh, rows, rows[:1], rows[:1] * 0, 0) is False
         out = torch.empty_like(old)
         shift_reused(out, old, fresh, rows, rows[:1], 0)
     assert torch.equal(out, _torch_shift(old, fresh, rows, rows[:1], 0))
@@ -174,7 +193,8 @@ def test_without_the_kernels_torchs_ops_run(torch_ops):
     norm, x = cpu_kernels.KernelRMSNorm(32, 1e-6), torch.randn(4, 32)
     with torch.inference_mode():
         assert torch.equal(norm(x), RMSNorm(32, 1e-6)(x))
-        assert cpu_kernels.shift(torch.empty(4, 32), x, torch.zeros(1, 32), x[:1], torch.tensor([0]), 0) is False
+        one = torch.tensor([0])
+        assert cpu_kernels.shift(torch.empty(4, 32), x, x[:1], one, one, one, 0) is False
 
 
 @needs_kernels

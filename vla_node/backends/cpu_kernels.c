@@ -55,26 +55,38 @@ static inline void store_bf16(uint16_t *p, float v) {
 RMS_NORM(vla_rms_norm_bf16, uint16_t, load_bf16, store_bf16)
 RMS_NORM(vla_rms_norm_f32, float, load_f32, store_f32)
 
-/* The shared-drift move of runtime/vision_cache.shift_reused over [outer, T, inner] (tokens along T):
- * out[o, t, :] = old[o, t, :] + move[o, :] in fp32, rounded once, for every token t not in `rows`, and
- * out[o, t, :] = fresh[o, j, :] where rows[j] == t. rows: sorted int64 [n]; move fp32 [outer, inner]; fresh
- * [outer, n, inner] at strides (fresh_outer, fresh_token, 1): a view such as a permuted q|k|v. torch's form of it
- * (a copy to fp32, an add, a copy back, an index_copy) gives the same bits. */
+/* The shared-drift move of runtime/vision_cache.shift_reused over [outer, T, inner] (tokens along T). Per o, the
+ * move is the mean change of the sample: move[i] = sum_k (fresh[o, at[k], i] - old[o, sample[k], i]) / s, each
+ * difference in fp32, summed in k's order; then out[o, t, :] = old[o, t, :] + move in fp32, rounded once, for every
+ * token t not in `rows`, and out[o, t, :] = fresh[o, j, :] where rows[j] == t. rows: sorted int64 [n]; sample and
+ * at int64 [s] (s >= 1; at: the sample's places among the rows); fresh [outer, n, inner] at strides (fresh_outer,
+ * fresh_token, 1): a view such as a permuted q|k|v; inner <= MAX_INNER. torch's form of it (index_select,
+ * a subtraction and a mean over the sample, a copy to fp32, an add, a copy back, an index_copy) gives the same
+ * bits: its mean over at most 16 values sums them in order and divides. */
+#define MAX_INNER 4096 /* the move's values per token: a stack array */
 #define SHIFT(NAME, T, LOAD, STORE)                                                                            \
-    void NAME(const T *restrict old, const float *restrict move, const T *restrict fresh,                     \
-              int64_t fresh_outer, int64_t fresh_token, const int64_t *restrict rows, int64_t n,                \
-              T *restrict out, int64_t outer, int64_t tokens, int64_t inner) {                                 \
+    void NAME(const T *restrict old, const T *restrict fresh, int64_t fresh_outer, int64_t fresh_token,       \
+              const int64_t *restrict rows, int64_t n, const int64_t *restrict sample,                         \
+              const int64_t *restrict at, int64_t s, T *restrict out, int64_t outer, int64_t tokens,           \
+              int64_t inner) {                                                                                 \
+        float move[MAX_INNER];                                                                                 \
         for (int64_t o = 0; o < outer; o++) {                                                                  \
-            const float *m = move + o * inner;                                                                 \
+            const T *fresh_o = fresh + o * fresh_outer, *old_o = old + o * tokens * inner;                     \
+            for (int64_t i = 0; i < inner; i++) move[i] = 0.0f;                                                \
+            for (int64_t k = 0; k < s; k++) {                                                                  \
+                const T *a = fresh_o + at[k] * fresh_token, *b = old_o + sample[k] * inner;                    \
+                for (int64_t i = 0; i < inner; i++) move[i] += LOAD(a + i) - LOAD(b + i);                      \
+            }                                                                                                  \
+            for (int64_t i = 0; i < inner; i++) move[i] /= (float)s;                                           \
             int64_t j = 0;                                                                                     \
             for (int64_t t = 0; t < tokens; t++) {                                                             \
-                const int64_t at = (o * tokens + t) * inner;                                                   \
+                const int64_t at_t = (o * tokens + t) * inner;                                                 \
                 if (j < n && rows[j] == t) {                                                                   \
-                    memcpy(out + at, fresh + o * fresh_outer + j * fresh_token, (size_t)inner * sizeof(T));    \
+                    memcpy(out + at_t, fresh_o + j * fresh_token, (size_t)inner * sizeof(T));                  \
                     j++;                                                                                       \
                     continue;                                                                                  \
                 }                                                                                              \
-                for (int64_t i = 0; i < inner; i++) STORE(out + at + i, LOAD(old + at + i) + m[i]);            \
+                for (int64_t i = 0; i < inner; i++) STORE(out + at_t + i, LOAD(old + at_t + i) + move[i]);     \
             }                                                                                                  \
         }                                                                                                      \
     }

@@ -13,7 +13,8 @@ it was not built for; about 0.3 s to build, a millisecond to load. Before it is 
 against torch on a small input. Where no compiler is found, the build fails or the check does, or
 `VLA_NODE_CPU_KERNELS=0` is set, `library()` is None and torch's ops run (`status()` says why).
 
-Bits: the move is torch's own arithmetic (fp32 add, one rounding) and gives the same bits. The norm rounds as
+Bits: the move is torch's own arithmetic (the sample's mean change summed in order, an fp32 add, one rounding)
+and gives the same bits. The norm rounds as
 torch's rms_norm does except its sum of squares, which adds in another order than torch's reduction: about one
 value in 10^5 lands one bf16 rounding away (none in fp32 beyond the sum's last bit). Only inference uses them:
 with gradients enabled, or under tracing or compiling, torch's ops run.
@@ -44,8 +45,9 @@ _KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "vla_rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
-    "vla_shift": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I],
+    "vla_shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I],
 }
+MAX_INNER = 4096  # cpu_kernels.c's MAX_INNER: the shared-drift move's values per token
 _status = "not loaded yet"
 
 
@@ -149,11 +151,11 @@ def _self_check(lib: ctypes.CDLL) -> None:
             raise RuntimeError(f"rms_norm {dtype} differs from torch's by {(got - want).abs().max().item()}")
         old = torch.randn(2, 7, 3, generator=generator).to(dtype)
         fresh = torch.randn(2, 3, 3, generator=generator).to(dtype)
-        move = torch.randn(2, 1, 3, generator=generator)
-        rows = torch.tensor([0, 4, 6])
+        rows, sample, at = torch.tensor([0, 4, 6]), torch.tensor([4, 6]), torch.tensor([1, 2])
+        move = (fresh.index_select(1, at).float() - old.index_select(1, sample).float()).mean(1, keepdim=True)
         want = (old.float() + move).to(dtype).index_copy_(1, rows, fresh)
         got = torch.empty_like(old)
-        _shift(lib, got, old, move, fresh, rows, 1)
+        _shift(lib, got, old, fresh, rows, sample, at, 1)
         if not torch.equal(got, want):
             raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
 
@@ -167,14 +169,15 @@ def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
-def _shift(lib: ctypes.CDLL, out: torch.Tensor, old: torch.Tensor, move: torch.Tensor, fresh: torch.Tensor,
-           rows: torch.Tensor, dim: int) -> None:
-    """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`; out, old, move and rows contiguous, fresh
-    a strided view that _fresh_strides accepts."""
+def _shift(lib: ctypes.CDLL, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor,
+           sample: torch.Tensor, at: torch.Tensor, dim: int) -> None:
+    """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`; out, old, rows, sample and at contiguous,
+    fresh a strided view that _fresh_strides accepts."""
     outer_stride, token_stride = _fresh_strides(fresh, dim)
     getattr(lib, f"vla_shift_{_KINDS[old.dtype]}")(
-        old.data_ptr(), move.data_ptr(), fresh.data_ptr(), outer_stride, token_stride, rows.data_ptr(),
-        rows.numel(), out.data_ptr(), old.shape[:dim].numel(), old.shape[dim], old.shape[dim + 1:].numel())
+        old.data_ptr(), fresh.data_ptr(), outer_stride, token_stride, rows.data_ptr(), rows.numel(),
+        sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(), old.shape[dim],
+        old.shape[dim + 1:].numel())
 
 
 def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:
@@ -203,17 +206,19 @@ def _eager() -> bool:
     return not (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling())
 
 
-def shift(out: torch.Tensor, old: torch.Tensor, move: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor,
-          dim: int) -> bool:
-    """The shared-drift move by the fused kernel where it applies (CPU, bf16 or fp32, every tensor contiguous but
-    fresh, which may be a view: _fresh_strides; inference); False where it does not, and the caller runs torch's."""
+def shift(out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
+          at: torch.Tensor, dim: int) -> bool:
+    """runtime/vision_cache.shift_reused by the fused kernel where it applies (CPU, bf16 or fp32, a sample, every
+    tensor contiguous but fresh, which may be a view: _fresh_strides; inference); False where it does not, and the
+    caller runs torch's ops."""
     lib = library()
     if (lib is None or old.dtype not in _KINDS or out.dtype != old.dtype or fresh.dtype != old.dtype
-            or move.dtype != torch.float32 or rows.dtype != torch.int64 or old.device.type != "cpu"
-            or not (out.is_contiguous() and old.is_contiguous() and move.is_contiguous() and rows.is_contiguous())
-            or _fresh_strides(fresh, dim) is None or not _eager()):
+            or old.device.type != "cpu" or not sample.numel() or old.shape[dim + 1:].numel() > MAX_INNER
+            or any(i.dtype != torch.int64 or not i.is_contiguous() for i in (rows, sample, at))
+            or not (out.is_contiguous() and old.is_contiguous()) or _fresh_strides(fresh, dim) is None
+            or not _eager()):
         return False
-    _shift(lib, out, old, move, fresh, rows, dim)
+    _shift(lib, out, old, fresh, rows, sample, at, dim)
     return True
 
 

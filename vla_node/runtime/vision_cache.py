@@ -100,10 +100,10 @@ def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: 
     if sample.numel():
         if at is None:
             at = torch.searchsorted(rows, sample)  # the sample's places among the recomputed rows
+        if cpu_kernels.shift(out, old, new, rows, sample, at, dim):  # the same bits in one pass
+            return
         change = new.index_select(dim, at).float() - old.index_select(dim, sample).float()
         move = change.mean(dim, keepdim=True)
-        if cpu_kernels.shift(out, old, move, new, rows, dim):  # the same bits in one pass
-            return
         if old.dtype == torch.float32:
             torch.add(old, move, out=out)
         else:  # the move in fp32, rounded once: as out.copy_(old).add_(move) computes it, without its temporaries
