@@ -2,8 +2,6 @@
 another order), the shared-drift move bit for bit as torch's ops compute it, built once per source, compiler and
 CPU, and torch's ops wherever they cannot run."""
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -138,13 +136,14 @@ def test_the_moves_mean_change_is_torchs_for_any_sample_size(dtype, samples):
 
 @needs_kernels
 def test_a_layout_the_kernel_cannot_read_is_left_to_torch():
-    """fresh whose dims after the token dim are not contiguous: the kernel declines (False), shift_reused's torch
-    form gives the result."""
+    """fresh whose dims after the token dim are not contiguous, or out the same memory as old: the kernel declines
+    (False), shift_reused's torch form gives the result."""
     old = torch.randn(6, 4, 8)
     fresh = torch.randn(2, 8, 4).transpose(1, 2)  # [2, 4, 8], inner dims strided
     rows = torch.tensor([1, 4])
     with torch.inference_mode():
         assert cpu_kernels.shift(torch.empty_like(old), old, fresh, rows, rows[:1], rows[:1] * 0, 0) is False
+        assert cpu_kernels.shift(old, old, fresh.contiguous(), rows, rows[:1], rows[:1] * 0, 0) is False  # in place
         out = torch.empty_like(old)
         shift_reused(out, old, fresh, rows, rows[:1], 0)
     assert torch.equal(out, _torch_shift(old, fresh, rows, rows[:1], 0))
@@ -204,8 +203,7 @@ def test_with_a_c_compiler_the_kernels_build_and_pass_their_check_against_torch(
 
 @needs_kernels
 def test_the_library_is_built_once_per_source_compiler_and_cpu(fresh_library):
-    lib = cpu_kernels.library()
-    assert isinstance(lib, ctypes.CDLL)
+    assert isinstance(cpu_kernels.library(), cpu_kernels.Kernels)
     built = list(fresh_library.glob("cpu_kernels-*.so"))
     assert len(built) == 1 and "built with" in cpu_kernels.status()
     stamp = built[0].stat().st_mtime_ns

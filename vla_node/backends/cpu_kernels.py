@@ -14,10 +14,9 @@ against torch on a small input. Where no compiler is found, the build fails or t
 `VLA_NODE_CPU_KERNELS=0` is set, `library()` is None and torch's ops run (`status()` says why).
 
 Bits: the move is torch's own arithmetic (the sample's mean change summed in order, an fp32 add, one rounding)
-and gives the same bits. The norm rounds as
-torch's rms_norm does except its sum of squares, which adds in another order than torch's reduction: about one
-value in 10^5 lands one bf16 rounding away (none in fp32 beyond the sum's last bit). Only inference uses them:
-with gradients enabled, or under tracing or compiling, torch's ops run.
+and gives the same bits. The norm rounds as torch's rms_norm does except its sum of squares, which adds in another
+order than torch's reduction: about one value in 10^5 lands one bf16 rounding away (in fp32, a last bit). Only
+inference uses them: with gradients enabled, or under tracing or compiling, torch's ops run.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -44,11 +44,18 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 _KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "vla_rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
-    "vla_shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I],
+    "rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
+    "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I],
 }
 MAX_INNER = 4096  # cpu_kernels.c's MAX_INNER: the shared-drift move's values per token
 _status = "not loaded yet"
+
+
+class Kernels(NamedTuple):
+    """The loaded library's functions by storage dtype (bf16, fp32)."""
+
+    rms_norm: dict[torch.dtype, Callable]
+    shift: dict[torch.dtype, Callable]
 
 
 def kernel_dir() -> Path:
@@ -102,7 +109,7 @@ def build(cc: str, directory: Path) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def library() -> Kernels | None:
     """The loaded kernels, built if needed and checked against torch; None where they cannot run (status())."""
     global _status
     if kernels_switched_off():
@@ -114,10 +121,14 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         path = build(cc, kernel_dir())
-        lib = ctypes.CDLL(str(path))
+        loaded = ctypes.CDLL(str(path))
+        functions = {}
         for name, argtypes in _SIGNATURES.items():
-            for kind in _KINDS.values():
-                getattr(lib, f"{name}_{kind}").argtypes = argtypes
+            functions[name] = {}
+            for dtype, kind in _KINDS.items():
+                functions[name][dtype] = function = getattr(loaded, f"vla_{name}_{kind}")
+                function.argtypes = argtypes
+        lib = Kernels(**functions)
         _self_check(lib)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
@@ -139,7 +150,7 @@ def status() -> str:
     return _status
 
 
-def _self_check(lib: ctypes.CDLL) -> None:
+def _self_check(lib: Kernels) -> None:
     """Each kernel against torch on a small input; RuntimeError on a difference beyond what the docstring says."""
     generator = torch.Generator().manual_seed(0)
     for dtype in _KINDS:
@@ -155,29 +166,27 @@ def _self_check(lib: ctypes.CDLL) -> None:
         move = (fresh.index_select(1, at).float() - old.index_select(1, sample).float()).mean(1, keepdim=True)
         want = (old.float() + move).to(dtype).index_copy_(1, rows, fresh)
         got = torch.empty_like(old)
-        _shift(lib, got, old, fresh, rows, sample, at, 1)
+        _shift(lib, got, old, fresh, _fresh_strides(fresh, 1), rows, sample, at, 1)
         if not torch.equal(got, want):
             raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
 
 
-def _rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of contiguous x [..., cols] by weight [cols], both of one kernel dtype."""
     out = torch.empty_like(x)
     cols = x.shape[-1]
-    getattr(lib, f"vla_rms_norm_{_KINDS[x.dtype]}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                                     x.numel() // cols, cols, eps)
+    lib.rms_norm[x.dtype](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // cols, cols, eps)
     return out
 
 
-def _shift(lib: ctypes.CDLL, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor,
-           sample: torch.Tensor, at: torch.Tensor, dim: int) -> None:
-    """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`; out, old, rows, sample and at contiguous,
-    fresh a strided view that _fresh_strides accepts."""
-    outer_stride, token_stride = _fresh_strides(fresh, dim)
-    getattr(lib, f"vla_shift_{_KINDS[old.dtype]}")(
-        old.data_ptr(), fresh.data_ptr(), outer_stride, token_stride, rows.data_ptr(), rows.numel(),
-        sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(), old.shape[dim],
-        old.shape[dim + 1:].numel())
+def _shift(lib: Kernels, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, fresh_strides: tuple[int, int],
+           rows: torch.Tensor, sample: torch.Tensor, at: torch.Tensor, dim: int) -> None:
+    """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`: out and old contiguous and apart, fresh
+    at its (outer, token) strides (_fresh_strides); rows, sample and at contiguous int64, in range, rows sorted and
+    distinct, as pick_rows makes them."""
+    lib.shift[old.dtype](old.data_ptr(), fresh.data_ptr(), *fresh_strides, rows.data_ptr(), rows.numel(),
+                         sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(),
+                         old.shape[dim], old.shape[dim + 1:].numel())
 
 
 def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:
@@ -215,10 +224,13 @@ def shift(out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch
     if (lib is None or old.dtype not in _KINDS or out.dtype != old.dtype or fresh.dtype != old.dtype
             or old.device.type != "cpu" or not sample.numel() or old.shape[dim + 1:].numel() > MAX_INNER
             or any(i.dtype != torch.int64 or not i.is_contiguous() for i in (rows, sample, at))
-            or not (out.is_contiguous() and old.is_contiguous()) or _fresh_strides(fresh, dim) is None
+            or not (out.is_contiguous() and old.is_contiguous()) or out.data_ptr() == old.data_ptr()
             or not _eager()):
         return False
-    _shift(lib, out, old, fresh, rows, sample, at, dim)
+    fresh_strides = _fresh_strides(fresh, dim)
+    if fresh_strides is None:
+        return False
+    _shift(lib, out, old, fresh, fresh_strides, rows, sample, at, dim)
     return True
 
 
