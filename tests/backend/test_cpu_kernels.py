@@ -52,7 +52,8 @@ def test_rms_norm_rounds_as_torch_but_for_its_sum_order(dtype, shape):
     want = F.rms_norm(x, (shape[-1],), norm.weight, 1e-6)
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.bfloat16:
-        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()  # same signs: bit patterns count steps
+        # the same signs: the bit patterns count bf16 steps
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
         assert int(steps.max()) <= 1
         assert int((steps > 0).sum()) <= 4 + x.numel() // 5000  # about 1 in 10^5 measured
     else:

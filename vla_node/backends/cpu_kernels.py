@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from vla_node.backends import cpu_features
 from vla_node.model.decoder import RMSNorm
 
 log = logging.getLogger(__name__)
@@ -68,21 +69,16 @@ def kernel_dir() -> Path:
 
 def compiler() -> str | None:
     """The C compiler to build with: $CC, else the first of cc, gcc, clang on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    found = (shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc", "clang") if name)
+    return next((path for path in found if path), None)
 
 
 def _cpu_identity() -> str:
-    """The CPU's model and feature lines (a library built with -march=native runs only where they match)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
+    """The CPU's model and feature lines (a library built with -march=native runs only where they match; without
+    /proc/cpuinfo, what the platform says)."""
     keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keys]
-    return "\n".join(dict.fromkeys(lines))  # the first processor's lines, each once
+    lines = [line for line in cpu_features.read_cpuinfo().splitlines() if line.split(":")[0].strip() in keys]
+    return "\n".join(dict.fromkeys(lines)) or platform.processor()  # the first processor's lines, each once
 
 
 def build(cc: str, directory: Path) -> Path:

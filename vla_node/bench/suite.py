@@ -63,8 +63,8 @@ def header(threads: int) -> dict:
     threads, versions, GPU."""
     flags = cpu_features.cpu_flags(cpu_features.read_cpuinfo())
     return {"cpu": cpu_features.cpu_model(), "cpus": os.cpu_count(), "flags": [f for f in FLAGS_SHOWN if f in flags],
-            "kernels": f"{cpu_features.describe()}; fused CPU kernels {cpu_kernels.status()}", "bf16_hardware": cpu_features.onednn_runs_bf16(),
-            "threads": threads, "versions": versions(),
+            "kernels": f"{cpu_features.describe()}; fused CPU kernels {cpu_kernels.status()}",
+            "bf16_hardware": cpu_features.onednn_runs_bf16(), "threads": threads, "versions": versions(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["vla-node", *sys.argv[1:]])}
 
