@@ -331,6 +331,29 @@ def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing
     assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 3 * len(keys)
 
 
+@needs_packed
+def test_warm_row_buckets_in_threads_runs_what_one_thread_runs(monkeypatch):
+    """workers > 1: the same row counts on the same kernel keys as one thread (in any order), every count declared.
+    (That the stages then find those kernels, compiled for this thread's OpenMP thread count, is the oneDNN log's
+    test below.)"""
+    from vla_node.backends import packed_weights
+
+    monkeypatch.setattr(packed_weights, "bucket_step", lambda: 16)
+    calls: dict[int, list] = {1: [], 3: []}
+    for workers, seen in calls.items():
+        model = use_packed_weights(build_vla(preset("tiny"), seed=5).to(torch.bfloat16))
+
+        def record(self, x, seen=seen):
+            seen.append((str(packed_weights._kernel_key(self)), x.shape[0]))
+
+        monkeypatch.setattr(packed_weights.PackedQKV, "forward", record)
+        monkeypatch.setattr(packed_weights.PackedSwiGLU, "forward", record)
+        assert packed_weights.warm_row_buckets(model, 40, {20, 5}, workers) > 0
+        qkv = [layer.self_attn.__dict__["qkv"] for layer in model.decoder.model.layers]
+        assert all(packed_weights._row_buckets(m).exact == {5, 20} for m in qkv)
+    assert sorted(calls[3]) == sorted(calls[1]) and calls[1]
+
+
 def test_only_the_row_counts_declared_exact_run_unpadded_however_often_others_recur():
     """RowBuckets alone (no oneDNN needed): a count between buckets is padded on every call, however often it comes
     (nothing is compiled after warm-up); a declared count and a full bucket pass through as they are."""
@@ -411,7 +434,7 @@ def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_t
         model = use_packed_weights(build_vla(config, seed=6).to(torch.bfloat16))  # 16 tokens a frame
         policy = MultiRatePolicy(model, CacheConfig(), torch.bfloat16)
         if warm:
-            assert policy.compile_kernels() > 0
+            assert policy.compile_kernels(workers=2) > 0  # in two threads: the kernels still serve this one
         capfd.readouterr()
         with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
             policy.update_text("go")

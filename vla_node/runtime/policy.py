@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.cpu_features import onednn_runs_amx
-from vla_node.backends.packed_weights import warm_row_buckets
+from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.kv.partition import KVPartition, PartitionSpec, resolve_device
@@ -677,21 +677,23 @@ class MultiRatePolicy:
             bins = torch.cat([bins, self.bins.bin_from_row(self._logits[i])])
         return bins.reshape(c.action_horizon, c.action_dims).cpu().numpy()  # [H*D] -> [H, D]
 
-    def compile_kernels(self) -> int:
+    def compile_kernels(self, workers: int | None = None) -> int:
         """Compile every packed matmul's kernels for the rows it will run, as the node's warm-up does, so that no frame
         or tick pays for one (packed_weights.RowBuckets; a no-op where rows are not padded): each row bucket up to the
         most rows its module runs, and, unpadded, the row counts every frame or tick repeats: a camera's tokens in the
         tower, a frame's in the projector, one state in its embedding; in the decoder a tick's block (the new state,
         the 0..S-1 other stored states when they are recomputed in it, the H*D queries), a frame's tokens alone and
-        with that block, the stored states alone (1..S) and the queries alone (the action head). Returns the kernels
+        with that block, the stored states alone (1..S) and the queries alone (the action head). `workers` threads
+        compile them (default: one per CPU this process may run on, at most 4; warm_row_buckets). Returns the kernels
         compiled."""
         c, m = self.config, self.model
+        workers = warm_workers() if workers is None else workers
         frame, states = c.tokens_per_frame, c.state_slots
         block = range(1 + c.action_tokens, states + c.action_tokens + 1)  # a tick's rows
         decoder = {*range(1, states + 1), c.action_tokens, *block, frame, *(frame + n for n in block)}
-        return (warm_row_buckets(m.vision, c.tokens_per_camera, {c.tokens_per_camera})
-                + warm_row_buckets(m.projector, frame, {frame}) + warm_row_buckets(m.state_proj, 1, {1})
-                + warm_row_buckets(m.decoder, frame + states + c.action_tokens, decoder))
+        return (warm_row_buckets(m.vision, c.tokens_per_camera, {c.tokens_per_camera}, workers)
+                + warm_row_buckets(m.projector, frame, {frame}, workers) + warm_row_buckets(m.state_proj, 1, {1})
+                + warm_row_buckets(m.decoder, frame + states + c.action_tokens, decoder, workers))
 
     # --- accounting -----------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:
