@@ -233,9 +233,8 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     it multiplies, so of the matmuls that share those (`_kernel_key`: a decoder's layers, a tower's) one runs each
     row count and the others only declare theirs. `workers` threads run the compiling matmuls (torch releases the
     interpreter lock inside them; oneDNN's kernel cache is shared and thread-safe): small's 193 kernels on an AMX
-    Xeon's 2 vCPUs, three runs each, 0.47-0.61 s with 2 against 0.72-0.85 s with 1 (in a node started by a replay,
-    whose other processes take the second core part of the time: median 0.51 against 0.62 s over four starts each).
-    Returns the kernels compiled (0 where rows are not bucketed)."""
+    Xeon's 2 vCPUs, three runs each, 0.47-0.61 s with 2 against 0.72-0.85 s with 1; in the demo's node 0.53 and
+    0.60 against 1.23 and 1.14 s. Returns the kernels compiled (0 where rows are not bucketed)."""
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
