@@ -1,13 +1,18 @@
 """The fleet's jobs (drives from paths, folders and lists; repeats; shards) and its report (distributions, worst
-first, the regression gate between two fleet reports), without running a node."""
+first, the regression gate between two fleet reports), and a shard's Ctrl-C, without running a node."""
 
 from __future__ import annotations
 
 import copy
+import json
+import signal
 
 import pytest
 
+from helpers.ctrl_c import CtrlCWhenCollected
+from vla_node.fleet import run as fleet_run_module
 from vla_node.fleet.jobs import list_drives, make_jobs, shard
+from vla_node.fleet.task import Replay
 from vla_node.report.fleet import build_fleet_report, compare_fleets, load_fleet_report, write_fleet_report
 from vla_node.validate import ConfigError
 
@@ -84,3 +89,24 @@ def test_compare_catches_a_planted_regression_and_passes_an_identical_pair():
     gone = copy.deepcopy(base)
     gone["rows"] = [r for r in gone["rows"] if r["job"] != "drive0-r0"]
     assert compare_fleets(base, gone, 10.0)[1] == ["drive0-r0: missing in new"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_python_dropped_in_a_job_stops_the_shard_before_the_next(tmp_path, monkeypatch):
+    ran = []
+
+    def job_with_a_dropped_ctrl_c(job, replay_args, out, attempt):  # a replay during which a Ctrl-C was dropped
+        ran.append(job.key)
+        CtrlCWhenCollected()
+        return row(job.key, 10.0)
+
+    monkeypatch.setattr(fleet_run_module, "run_job", job_with_a_dropped_ctrl_c)
+    jobs = make_jobs([tmp_path / f"d{n}.mcap" for n in range(3)])
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (a test worker's may differ)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fleet_run_module.run_local(jobs, Replay("launch.toml"), tmp_path / "out", progress=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert ran == ["d0-r0"]  # that job finished and its row is kept: --resume starts at the next
+    assert [json.loads(p.read_text())["job"] for p in (tmp_path / "out" / "rows").glob("*.json")] == ["d0-r0"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from vla_node.fleet.jobs import Job
 from vla_node.fleet.run import MAX_ATTEMPTS, FleetProgress, finished, read_rows, row_path
 from vla_node.fleet.task import Replay, error_text, failed_row, run_job, write_json
+from vla_node.node.signals import CtrlCLatch
 from vla_node.validate import ConfigError, require
 
 SLOT = "replay_slot"
@@ -58,29 +59,32 @@ def run_ray(jobs: list[Job], replay_args: Replay, out: Path, *, address: str | N
         bar = FleetProgress(len(jobs), len(skip), slots if replay_args.timed else max(1, len(todo)), out, progress)
         bar.note()
         pending = {remote.remote(job, replay_args, str(out), 1): (job, 1, []) for job in todo}
-        try:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-                for ref in ready:
-                    job, attempt, errors = pending.pop(ref)
-                    try:
-                        row = ray.get(ref)
-                    except ray.exceptions.RayError as e:  # the replay raised, or its worker or machine died
-                        errors = [*errors, f"attempt {attempt}: {error_text(e)}"]
-                        if attempt < max_attempts:
-                            again = task.options(num_cpus=1, resources=resources, max_retries=0,
-                                                 scheduling_strategy="SPREAD")
-                            pending[again.remote(job, replay_args, str(out), attempt + 1)] = (job, attempt + 1, errors)
-                        else:
-                            write_json(row_path(out, job), failed_row(job, attempt, errors))
-                            bar.note(failed=1)
-                        continue
-                    write_json(row_path(out, job), {**row, "errors": errors})
-                    bar.note(finished=1)
-        except KeyboardInterrupt:
-            for ref in pending:
-                ray.cancel(ref, force=True)
-            raise  # every finished job's row is on disk: --resume picks up the rest
+        with CtrlCLatch() as ctrl_c:  # a Ctrl-C Python dropped (raised in a finalizer) is raised at the next wait
+            try:
+                while pending:
+                    ctrl_c.check()
+                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                    for ref in ready:
+                        job, attempt, errors = pending.pop(ref)
+                        try:
+                            row = ray.get(ref)
+                        except ray.exceptions.RayError as e:  # the replay raised, or its worker or machine died
+                            errors = [*errors, f"attempt {attempt}: {error_text(e)}"]
+                            if attempt < max_attempts:
+                                again = task.options(num_cpus=1, resources=resources, max_retries=0,
+                                                     scheduling_strategy="SPREAD")
+                                retry = again.remote(job, replay_args, str(out), attempt + 1)
+                                pending[retry] = (job, attempt + 1, errors)
+                            else:
+                                write_json(row_path(out, job), failed_row(job, attempt, errors))
+                                bar.note(failed=1)
+                            continue
+                        write_json(row_path(out, job), {**row, "errors": errors})
+                        bar.note(finished=1)
+            except KeyboardInterrupt:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise  # every finished job's row is on disk: --resume picks up the rest
     finally:
         if started_here:
             ray.shutdown()

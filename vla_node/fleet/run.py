@@ -11,6 +11,7 @@ from typing import Iterable
 
 from vla_node.fleet.jobs import Job
 from vla_node.fleet.task import ROWS, RUNNING, Replay, error_text, failed_row, run_job, write_json
+from vla_node.node.signals import CtrlCLatch
 from vla_node.validate import require
 
 MAX_ATTEMPTS = 3
@@ -62,24 +63,27 @@ def run_local(jobs: list[Job], replay_args: Replay, out: Path, *, resume: bool =
     skip = finished(out, jobs) if resume else set()
     bar = FleetProgress(len(jobs), len(skip), 1, out, progress)
     bar.note()
-    for job in jobs:
-        if job.key in skip:
-            continue
-        errors: list[str] = []
-        for attempt in range(1, max_attempts + 1):
-            try:
-                row = run_job(job, replay_args, str(out), attempt)
-            except KeyboardInterrupt:
-                raise  # every finished job's row is on disk: --resume picks up the rest
-            except Exception as e:  # noqa: BLE001 - a failed attempt is recorded, then retried
-                errors.append(f"attempt {attempt}: {error_text(e)}")
-                if attempt == max_attempts:
-                    write_json(row_path(out, job), failed_row(job, attempt, errors))
-                    bar.note(failed=1)
+    # a Ctrl-C stops the shard (KeyboardInterrupt) with every finished job's row on disk: --resume picks up the
+    # rest; one that Python dropped (raised in a finalizer) stops it before the next attempt
+    with CtrlCLatch() as ctrl_c:
+        for job in jobs:
+            if job.key in skip:
                 continue
-            write_json(row_path(out, job), {**row, "errors": errors})
-            bar.note(finished=1)
-            break
+            errors: list[str] = []
+            for attempt in range(1, max_attempts + 1):
+                ctrl_c.check()
+                try:
+                    row = run_job(job, replay_args, str(out), attempt)
+                except Exception as e:  # noqa: BLE001 - a failed attempt is recorded, then retried
+                    errors.append(f"attempt {attempt}: {error_text(e)}")
+                    if attempt == max_attempts:
+                        write_json(row_path(out, job), failed_row(job, attempt, errors))
+                        bar.note(failed=1)
+                    continue
+                write_json(row_path(out, job), {**row, "errors": errors})
+                bar.note(finished=1)
+                break
+        ctrl_c.check()
     return read_rows(out, jobs)
 
 

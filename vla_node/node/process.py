@@ -14,12 +14,14 @@ from pathlib import Path
 
 import zmq
 
+from vla_node.node.signals import SignalFlag
 from vla_node.wire.transport import TransportConfig
 
 ADDRESS_KEYS = ("frames", "commands", "actions", "health")
 STOP_TIMEOUT_S = 30.0  # SIGINT to exit
 LOG_TAIL_LINES = 12
 PR_SET_PDEATHSIG = 1  # prctl(2)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a terminal's, a supervisor's, a closed session's
 
 
 class NodeProcessError(RuntimeError):
@@ -46,7 +48,7 @@ def _child_signals() -> None:
     the thread that started it dies, so a replay killed outright (a fleet task's worker, SIGKILL) never leaves its
     node running."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -68,14 +70,25 @@ class NodeProcess:
             command += ["--set", override]
         self._log = open(log_path, "wb")
         self.launched_ns = time.monotonic_ns()  # the startup figure's origin (replay: launch -> first fresh action)
-        try:
-            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=None if env is None else {**os.environ, **env},
-                                         preexec_fn=_child_signals)
-        except BaseException:
-            self._log.close()
-            raise
+        # Python runs its at-fork callbacks (logging's, ...) around a fork with a preexec_fn and drops an exception
+        # raised in one: a Ctrl-C handled there would be lost. During the fork it is only recorded, then raised
+        with SignalFlag(*STOP_SIGNALS) as during_fork:
+            try:
+                self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             env=None if env is None else {**os.environ, **env},
+                                             preexec_fn=_child_signals)
+            except BaseException:
+                self._log.close()
+                raise
+        if during_fork.received is not None:
+            try:
+                signal.raise_signal(during_fork.received)  # to the handler it was meant for (KeyboardInterrupt)
+            except BaseException:
+                self.proc.kill()  # the node just started
+                self.proc.wait()
+                self._log.close()
+                raise
 
     def poll(self) -> int | None:
         return self.proc.poll()

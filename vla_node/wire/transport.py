@@ -358,8 +358,8 @@ class NodeTransport:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        if self._owns_ctx:
-            self.ctx.term()
+        if self._owns_ctx:  # destroy, not term: see Client.close
+            self.ctx.destroy(linger=linger_ms)
             self._owns_ctx = False
 
     def __enter__(self) -> NodeTransport:
@@ -517,8 +517,8 @@ class Client:
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets = []
-        if self._owns_ctx:
-            self.ctx.term()
+        if self._owns_ctx:  # destroy, not term: a socket an interrupt left untracked (made, not yet listed) is
+            self.ctx.destroy(linger=0)  # closed too, where term would wait on it for ever
             self._owns_ctx = False
 
     def __enter__(self) -> Client:
