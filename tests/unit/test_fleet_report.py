@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
 
 import pytest
 
-from helpers.ctrl_c import CtrlCWhenCollected
+from helpers.ctrl_c import CtrlCWhenCollected, python_ctrl_c
 from vla_node.fleet import run as fleet_run_module
 from vla_node.fleet.jobs import list_drives, make_jobs, shard
 from vla_node.fleet.task import Replay
@@ -102,11 +101,7 @@ def test_a_ctrl_c_python_dropped_in_a_job_stops_the_shard_before_the_next(tmp_pa
 
     monkeypatch.setattr(fleet_run_module, "run_job", job_with_a_dropped_ctrl_c)
     jobs = make_jobs([tmp_path / f"d{n}.mcap" for n in range(3)])
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (a test worker's may differ)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            fleet_run_module.run_local(jobs, Replay("launch.toml"), tmp_path / "out", progress=False)
-    finally:
-        signal.signal(signal.SIGINT, before)
+    with python_ctrl_c(), pytest.raises(KeyboardInterrupt):
+        fleet_run_module.run_local(jobs, Replay("launch.toml"), tmp_path / "out", progress=False)
     assert ran == ["d0-r0"]  # that job finished and its row is kept: --resume starts at the next
     assert [json.loads(p.read_text())["job"] for p in (tmp_path / "out" / "rows").glob("*.json")] == ["d0-r0"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.ctrl_c import CtrlCWhenCollected
+from helpers.ctrl_c import CtrlCWhenCollected, python_ctrl_c
 from helpers.node_helpers import TINY_LAUNCH
 from vla_node.config import load_launch
 from vla_node.node.process import NodeProcess, private_addresses
@@ -44,12 +44,10 @@ def test_outside_the_main_thread_signals_keep_their_handlers():
     assert seen == [before]
 
 
-@pytest.fixture
-def python_ctrl_c():
-    """Python's own Ctrl-C handler, whatever the test runner's (a worker process may ignore SIGINT)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+@pytest.fixture(name="python_ctrl_c")
+def python_ctrl_c_fixture():
+    with python_ctrl_c():
+        yield
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
