@@ -2,6 +2,8 @@
 another order), the shared-drift move bit for bit as torch's ops compute it, built once per source, compiler and
 CPU, and torch's ops wherever they cannot run."""
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,127 @@ def test_the_kernels_can_be_switched_off(fresh_library, monkeypatch):
     monkeypatch.setenv("VLA_NODE_CPU_KERNELS", "0")
     assert cpu_kernels.library() is None
     assert cpu_kernels.status() == "off (VLA_NODE_CPU_KERNELS=0)"
+
+
+def _kivi_inputs(dtype):
+    """K/V [L, H, C, D] of a partition of 11 slots (key groups of 4: two whole, one of 3) at every scale the int8
+    storage takes (|x| <= fp16's max): channels spread over 1e-7..3e4, a constant channel (a zero step), an all-zero
+    head, one-sided and mixed signs."""
+    generator = torch.Generator().manual_seed(7)
+    shape = (2, 3, 11, 16)
+    scales = torch.logspace(-7, 4.5, 16)[torch.randperm(16, generator=generator)]
+    k = torch.randn(shape, generator=generator) * scales
+    k[0, 0, :, 3] = 1.7  # constant channel: hi == lo
+    k[1, 2] = 0.0
+    k[0, 1] = k[0, 1].abs() + 50.0  # all positive: zero well above 0
+    v = torch.randn(shape, generator=generator) * scales.flip(0)
+    v[1, 1, 5] = -3e-5  # a constant token near fp16's subnormals
+    v[0, 2, :, :8] *= 1e3
+    return k.clamp(-6e4, 6e4).to(dtype), v.clamp(-6e4, 6e4).to(dtype)
+
+
+def _int8_partition(kivi):
+    from vla_node.kv.partition import KVPartition, PartitionSpec
+
+    partition = KVPartition(PartitionSpec("vision", 11, "int8", 2, 3, 16, key_group=4))
+    partition.kivi = kivi
+    return partition
+
+
+def _kivi_storage(partition):
+    return [partition.k, partition.k_scale, partition.k_zero, partition.v, partition.v_scale, partition.v_zero]
+
+
+def _check_kivi_library(lib, dtype):
+    """A partition's whole write and read_all through `lib`'s KIVI kernels against torch's ops: the same codes,
+    scale and zero bits, the same dequantized values in a view of a larger buffer."""
+    k, v = _kivi_inputs(dtype)
+    slots, positions = torch.arange(11), torch.arange(11)
+    fused, plain = _int8_partition(cpu_kernels.KernelKivi(lib)), _int8_partition(None)
+    with torch.inference_mode():
+        for partition in (fused, plain):
+            partition.write(slots, k, v, positions, 3)
+        for got, want in zip(_kivi_storage(fused), _kivi_storage(plain)):
+            assert torch.equal(got.view(torch.int8 if got.dtype == torch.int8 else torch.int16),
+                               want.view(torch.int8 if want.dtype == torch.int8 else torch.int16))
+        assert torch.equal(fused.position, plain.position) and torch.equal(fused.valid, plain.valid)
+        for out_dtype in DTYPES:
+            reads = []
+            for partition in (fused, plain):
+                buffer = torch.full((2, 3, 15, 16), float("nan"), dtype=out_dtype)  # slots 2..12 of a prefix
+                out_v = torch.empty(2, 3, 11, 16, dtype=out_dtype)
+                partition.read_all(buffer[:, :, 2:13], out_v)
+                reads.append((buffer, out_v))
+            assert torch.equal(reads[0][0][:, :, 2:13], reads[1][0][:, :, 2:13])
+            assert reads[0][0][:, :, :2].isnan().all() and reads[0][0][:, :, 13:].isnan().all()  # nothing else written
+            assert torch.equal(reads[0][1], reads[1][1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_whole_writes_and_reads_give_torchs_bits(dtype):
+    _check_kivi_library(cpu_kernels.library(), dtype)
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-f16c is an x86 flag")
+def test_kivi_without_f16c_converts_fp16_as_the_hardware_does(tmp_path):
+    """Built without the F16C instructions, the kernels convert fp16 scales in integer arithmetic: the same bits
+    (rounding to nearest even, subnormals, the outward nextafter steps)."""
+    flags = (*cpu_kernels.FLAGS, "-mno-f16c")
+    lib = cpu_kernels.load(cpu_kernels.build(cpu_kernels.compiler(), tmp_path, flags))
+    for dtype in DTYPES:
+        _check_kivi_library(lib, dtype)
+
+
+@needs_kernels
+def test_a_partial_write_or_another_scale_dtype_keeps_torchs_kivi():
+    """The kernels take whole writes with fp16 scales: a write of some slots, or fp32 scales, go through torch's
+    ops (KernelKivi declines), with the same results as a partition without them."""
+    from vla_node.kv.partition import KVPartition, PartitionSpec
+
+    kivi = cpu_kernels.kivi_kernels()
+    k, v = _kivi_inputs(torch.bfloat16)
+    slots = torch.tensor([1, 4, 9])
+    fused, plain = _int8_partition(kivi), _int8_partition(None)
+    with torch.inference_mode():
+        for partition in (fused, plain):
+            partition.write(slots, k[:, :, :3], v[:, :, :3], slots, 1)
+        assert all(torch.equal(a, b) for a, b in zip(_kivi_storage(fused), _kivi_storage(plain)))
+        wide = KVPartition(PartitionSpec("vision", 11, "int8", 2, 3, 16, key_group=4, scale_dtype="fp32"))
+        assert not kivi.quantize_kv(k, v, 4, *_kivi_storage(wide))
+        assert not kivi.dequantize_kv(*_kivi_storage(wide), 4, torch.empty_like(k), torch.empty_like(v))
+        strided = torch.empty(2, 3, 16, 11, dtype=torch.bfloat16).transpose(2, 3)  # D not contiguous
+        assert not kivi.dequantize_kv(*_kivi_storage(fused), 4, strided, torch.empty_like(v))
+
+
+@needs_kernels
+def test_a_policy_with_int8_vision_gives_the_same_logits_with_the_kivi_kernels(monkeypatch):
+    """MultiRatePolicy over an int8 vision partition, three frames with a tick each: bit for bit the same logits
+    with the kernels as with torch's ops."""
+    from vla_node.kv.cache_config import CacheConfig
+    from vla_node.kv.vision_config import VisionMemoryConfig
+    from vla_node.runtime.policy import MultiRatePolicy
+
+    config = preset("tiny")
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (3, 1, config.image_size, config.image_size, 3), dtype=np.uint8)
+    state = np.linspace(-1, 1, config.state_dim, dtype=np.float32)
+
+    def run():
+        cache = CacheConfig(vision=VisionMemoryConfig(storage_dtype="int8"))
+        policy = MultiRatePolicy(build_vla(config, seed=2), cache)
+        assert policy.vision.partitions[0].spec.dtype == "int8"
+        policy.update_text("keep lane")
+        logits = []
+        for frame in frames:
+            policy.update_vision(policy.prepare_frames(list(frame)), state=state)
+            logits.append(policy.action_tick(state).logits)
+        return policy, logits
+
+    fused, with_kernels = run()
+    assert isinstance(fused.vision.partitions[0].kivi, cpu_kernels.KernelKivi)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    plain, with_torch = run()
+    assert plain.vision.partitions[0].kivi is None
+    assert all(np.array_equal(a, b) for a, b in zip(with_kernels, with_torch))

@@ -5,6 +5,10 @@ and copies, most of it in two places: RMSNorm, which torch's CPU build runs as i
 pow, mean, add, rsqrt, two multiplies, a copy back: 232 us at 216 x 512 on an AMX Xeon, one thread), and the
 shared-drift moves of the reused tokens' cached parts (runtime/vision_cache.shift_reused: a copy to fp32, an add,
 a copy back and an index_copy: 368 us for a tower layer's [3, 6, 196, 64]). Here each is one pass: 74 and 77 us.
+The INT8 vision partition's KIVI passes (kv/quant.py) are a third place: a frame's whole write of `small`'s K/V
+([8, 2, 196, 64] each) took about 1.9 ms in torch's ops (a dozen passes, fp32 temporaries) and its read into the
+tick's bf16 prefix buffer about 0.5 ms (through fp32 staging); KernelKivi does each in one pass over K and V,
+about 0.6 and 0.2 ms (a warm reuse frame about 4% faster, the same bits).
 
 The C source is built at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3
 -march=native) into a cache directory (`$VLA_NODE_KERNEL_DIR`, else `$XDG_CACHE_HOME/vla-node/kernels` or
@@ -14,9 +18,10 @@ against torch on a small input. Where no compiler is found, the build fails or t
 `VLA_NODE_CPU_KERNELS=0` is set, `library()` is None and torch's ops run (`status()` says why).
 
 Bits: the move is torch's own arithmetic (the sample's mean change summed in order, an fp32 add, one rounding)
-and gives the same bits. The norm rounds as torch's rms_norm does except its sum of squares, which adds in another
-order than torch's reduction: about one value in 10^5 lands one bf16 rounding away (in fp32, a last bit). Only
-inference uses them: with gradients enabled, or under tracing or compiling, torch's ops run.
+and gives the same bits, and so does KIVI (the same fp32 steps; the fp16 scales by the CPU's F16C conversions or,
+without them, integer arithmetic). The norm rounds as torch's rms_norm does except its sum of squares, which adds
+in another order than torch's reduction: about one value in 10^5 lands one bf16 rounding away (in fp32, a last
+bit). Only inference uses them: with gradients enabled, or under tracing or compiling, torch's ops run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -36,6 +42,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from vla_node.backends import cpu_features
+from vla_node.kv import quant
 from vla_node.model.decoder import RMSNorm
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
     "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I],
+    "kivi_keys": [_P, _I, _I, _I, _I, _P, _P, _P],
+    "kivi_values": [_P, _I, _I, _P, _P, _P],
+    "kivi_dequant": [_P, _P, _P, _I, _I, _I, _I, _P, _I],
 }
 MAX_INNER = 4096  # cpu_kernels.c's MAX_INNER: the shared-drift move's values per token
 _status = "not loaded yet"
@@ -57,6 +67,9 @@ class Kernels(NamedTuple):
 
     rms_norm: dict[torch.dtype, Callable]
     shift: dict[torch.dtype, Callable]
+    kivi_keys: dict[torch.dtype, Callable]  # by the input's dtype
+    kivi_values: dict[torch.dtype, Callable]
+    kivi_dequant: dict[torch.dtype, Callable]  # by the output's dtype
 
 
 def kernel_dir() -> Path:
@@ -81,11 +94,11 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(lines)) or platform.processor()  # the first processor's lines, each once
 
 
-def build(cc: str, directory: Path) -> Path:
-    """The library for this source, compiler and CPU: the cached one, else built now (atomically: parallel
+def build(cc: str, directory: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library for this source, compiler, flags and CPU: the cached one, else built now (atomically: parallel
     processes may build it at once). Raises RuntimeError with the compiler's output when the build fails."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(flags), platform.machine(),
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     path = directory / f"cpu_kernels-{key}.so"
     if path.exists():
@@ -94,9 +107,9 @@ def build(cc: str, directory: Path) -> Path:
     fd, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} {' '.join(FLAGS)} {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} {' '.join(flags)} {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -117,14 +130,7 @@ def library() -> Kernels | None:
         return None
     try:
         path = build(cc, kernel_dir())
-        loaded = ctypes.CDLL(str(path))
-        functions = {}
-        for name, argtypes in _SIGNATURES.items():
-            functions[name] = {}
-            for dtype, kind in _KINDS.items():
-                functions[name][dtype] = function = getattr(loaded, f"vla_{name}_{kind}")
-                function.argtypes = argtypes
-        lib = Kernels(**functions)
+        lib = load(path)
         _self_check(lib)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
@@ -133,6 +139,21 @@ def library() -> Kernels | None:
     _status = f"built with {Path(cc).name} {' '.join(FLAGS[:3])} ({path})"
     log.info("cpu kernels %s", _status)
     return lib
+
+
+def load(path: Path) -> Kernels:
+    """The kernels of a built library (OSError where it cannot be loaded or lacks one)."""
+    loaded = ctypes.CDLL(str(path))
+    functions = {}
+    for name, argtypes in _SIGNATURES.items():
+        functions[name] = {}
+        for dtype, kind in _KINDS.items():
+            try:
+                functions[name][dtype] = function = getattr(loaded, f"vla_{name}_{kind}")
+            except AttributeError as error:
+                raise OSError(f"{path.name} has no vla_{name}_{kind}") from error
+            function.argtypes = argtypes
+    return Kernels(**functions)
 
 
 def kernels_switched_off() -> bool:
@@ -165,6 +186,27 @@ def _self_check(lib: Kernels) -> None:
         _shift(lib, got, old, fresh, _fresh_strides(fresh, 1), rows, sample, at, 1)
         if not torch.equal(got, want):
             raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
+        with torch.no_grad():
+            _check_kivi(lib, dtype, generator)
+
+
+def _check_kivi(lib: Kernels, dtype: torch.dtype, generator: torch.Generator) -> None:
+    """KernelKivi against quant.py's ops on K/V of 7 slots in key groups of 4 (one whole, one partial)."""
+    k, v = (torch.randn(2, 3, 7, 5, generator=generator).mul(100).to(dtype) for _ in range(2))
+    stored = [torch.empty(2, 3, 7, 5, dtype=torch.int8), torch.empty(2, 3, 2, 5, dtype=torch.float16),
+              torch.empty(2, 3, 2, 5, dtype=torch.float16), torch.empty(2, 3, 7, 5, dtype=torch.int8),
+              torch.empty(2, 3, 7, 1, dtype=torch.float16), torch.empty(2, 3, 7, 1, dtype=torch.float16)]
+    KernelKivi(lib).quantize_kv(k, v, 4, *stored)
+    keys = [quant.quantize_keys(k[:, :, a:b], b - a) for a, b in ((0, 4), (4, 7))]
+    want = [torch.cat([q.data for q in keys], 2), torch.cat([q.scale for q in keys], 2),
+            torch.cat([q.zero for q in keys], 2), *quant.quantize_values(v)]
+    if not all(torch.equal(a, b) for a, b in zip(stored, want)):
+        raise RuntimeError(f"KIVI quantization of {dtype} differs from torch's")
+    out_k, out_v = torch.empty(2, 3, 9, 5, dtype=dtype)[:, :, 1:8], torch.empty(2, 3, 7, 5, dtype=dtype)
+    KernelKivi(lib).dequantize_kv(*stored, 4, out_k, out_v)
+    want_k = torch.cat([quant.dequantize_keys(q, b - a) for q, (a, b) in zip(keys, ((0, 4), (4, 7)))], 2)
+    if not (torch.equal(out_k, want_k.to(dtype)) and torch.equal(out_v, quant.dequantize(*want[3:]).to(dtype))):
+        raise RuntimeError(f"KIVI dequantization into {dtype} differs from torch's")
 
 
 def _rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -228,6 +270,71 @@ def shift(out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch
         return False
     _shift(lib, out, old, fresh, fresh_strides, rows, sample, at, dim)
     return True
+
+
+class KernelKivi:
+    """kv/quant.WholeKivi by the fused kernels: a partition's whole write quantized and its read_all dequantized in
+    one pass each over K and V (the same bits as quant.py's ops: module docstring). Applies to contiguous bf16 or
+    fp32 K/V (writes) and outputs (reads; views along the slots of a larger buffer too) with fp16 scales, on the
+    CPU, in inference; elsewhere its methods return False and the partition runs torch's ops."""
+
+    def __init__(self, lib: Kernels) -> None:
+        self._lib = lib
+
+    def quantize_kv(self, k, v, group, codes_k, scale_k, zero_k, codes_v, scale_v, zero_v) -> bool:
+        scales = (scale_k, zero_k, scale_v, zero_v)
+        if not (k.dtype in _KINDS and v.dtype == k.dtype and k.shape == v.shape == codes_k.shape == codes_v.shape
+                and k.shape[-1] <= MAX_INNER and all(s.dtype == torch.float16 for s in scales) and _eager()
+                and all(t.device.type == "cpu" and t.is_contiguous() for t in (k, v, codes_k, codes_v, *scales))):
+            return False
+        *lead, tokens, D = k.shape
+        outer = math.prod(lead)
+        self._lib.kivi_keys[k.dtype](k.data_ptr(), outer, tokens, D, group, codes_k.data_ptr(), scale_k.data_ptr(),
+                                     zero_k.data_ptr())
+        self._lib.kivi_values[v.dtype](v.data_ptr(), outer * tokens, D, codes_v.data_ptr(), scale_v.data_ptr(),
+                                       zero_v.data_ptr())
+        return True
+
+    def dequantize_kv(self, codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group, out_k, out_v) -> bool:
+        scales = (scale_k, zero_k, scale_v, zero_v)
+        strides = [_outer_stride(out) for out in (out_k, out_v)]
+        if not (out_k.dtype in _KINDS and out_v.dtype == out_k.dtype and None not in strides
+                and out_k.shape == out_v.shape == codes_k.shape == codes_v.shape and codes_k.shape[-1] <= MAX_INNER
+                and all(s.dtype == torch.float16 for s in scales) and _eager()
+                and all(t.device.type == "cpu" for t in (out_k, out_v))
+                and all(t.is_contiguous() for t in (codes_k, codes_v, *scales))):
+            return False
+        *lead, tokens, D = codes_k.shape
+        outer = math.prod(lead)
+        for codes, scale, zero, grouping, out, stride in ((codes_k, scale_k, zero_k, group, out_k, strides[0]),
+                                                         (codes_v, scale_v, zero_v, 0, out_v, strides[1])):
+            self._lib.kivi_dequant[out.dtype](codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), outer, tokens, D,
+                                              grouping, out.data_ptr(), stride)
+        return True
+
+
+def _outer_stride(out: torch.Tensor) -> int | None:
+    """The stride between rows of out [..., T, D] as [outer, T, D] with (T, D) contiguous within each outer index
+    and one stride across the leading dims; None where it has no such layout."""
+    *lead, tokens, D = out.shape
+    if (D > 1 and out.stride(-1) != 1) or (tokens > 1 and out.stride(-2) != D):
+        return None
+    stride, span = None, None
+    for size, step in reversed(list(zip(lead, out.stride()[: len(lead)]))):
+        if size == 1:
+            continue
+        if stride is None:
+            stride = step
+        elif step != span:
+            return None
+        span = step * size
+    return tokens * D if stride is None else stride
+
+
+def kivi_kernels() -> KernelKivi | None:
+    """KernelKivi where the kernels run here, else None (a partition then runs torch's ops)."""
+    lib = library()
+    return None if lib is None else KernelKivi(lib)
 
 
 class KernelRMSNorm(RMSNorm):

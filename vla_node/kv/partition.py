@@ -101,6 +101,7 @@ class KVPartition:
         self._tokens_evicted = 0
         self._limit = (torch.finfo(spec.torch_scale_dtype).max if spec.quantized
                        else torch.finfo(spec.torch_dtype).max)
+        self.kivi: quant.WholeKivi | None = None  # int8: whole writes and read_all through it where it applies
 
     # ------------------------------------------------------------------ sizes
 
@@ -252,23 +253,25 @@ class KVPartition:
         if n == 0:
             return
         slots = slots.to(self.device)
+        whole = n == self.capacity and torch.equal(slots, self._slot_ids)  # every slot in order (a frame's FIFO)
         if self.spec.quantized:
-            self._write_int8(slots, k, v)
+            self._write_int8(slots, k, v, whole)
         else:
             self.k.index_copy_(2, slots, k.to(self.device, self.k.dtype))
             self.v.index_copy_(2, slots, v.to(self.device, self.v.dtype))
-        self.position[slots] = positions.to(self.device)
-        self.frame_id[slots] = frame_id.to(self.device) if isinstance(frame_id, torch.Tensor) else frame_id
+        at = slice(None) if whole else slots  # a whole write copies instead of scattering
+        self.position[at] = positions.to(self.device)
+        self.frame_id[at] = frame_id.to(self.device) if isinstance(frame_id, torch.Tensor) else frame_id
         if importance is None:
-            self.importance[slots] = 0.0
+            self.importance[at] = 0.0
         else:
-            self.importance[slots] = importance.to(self.device, torch.float32)
+            self.importance[at] = importance.to(self.device, torch.float32)
         if count is None:
-            self.count[slots] = 1
+            self.count[at] = 1
         else:
-            self.count[slots] = count.to(self.device, torch.int32)
-        self.tier[slots] = tier
-        self.valid[slots] = True
+            self.count[at] = count.to(self.device, torch.int32)
+        self.tier[at] = tier
+        self.valid[at] = True
         self._n_writes += 1
         self._tokens_written += n
 
@@ -322,11 +325,14 @@ class KVPartition:
                 raise ValueError(f"{self.name}.write: {name} has |value| up to {biggest}: expected finite values "
                                  f"within +-{self._limit} for {s.dtype} storage")
 
-    def _write_int8(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_int8(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: bool) -> None:
         sd = self.spec.torch_scale_dtype
+        if whole and self.kivi is not None and self.kivi.quantize_kv(
+                k, v, self.spec.key_group, self.k, self.k_scale, self.k_zero, self.v, self.v_scale, self.v_zero):
+            return
         # values: per token over head_dim
         qv = quant.quantize_values(v, sd)  # data [L, H, n, D], scale/zero [L, H, n, 1]
-        if slots.numel() == self.capacity and torch.equal(slots, self._slot_ids):
+        if whole:
             self._write_int8_whole(k, qv)
             return
         # keys: per channel over the groups of slots this write touches; the whole group is re-quantized
@@ -436,6 +442,9 @@ class KVPartition:
         if not self.spec.quantized:
             out_k.copy_(self.k)
             out_v.copy_(self.v)
+        elif self.kivi is not None and self.kivi.dequantize_kv(self.k, self.k_scale, self.k_zero, self.v, self.v_scale,
+                                                               self.v_zero, self.spec.key_group, out_k, out_v):
+            pass
         elif out_k.dtype == torch.float32 and out_v.dtype == torch.float32:
             self._dequant_layers(slice(None), out_k, out_v, None)  # straight into the outputs
         else:

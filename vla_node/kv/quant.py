@@ -15,7 +15,7 @@ most s / 2 (half a step), with no clamping error, whatever the scale dtype.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -139,3 +139,22 @@ def quantize_values(v: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -
 def dequantize_values(qv: Quantized) -> torch.Tensor:
     """Inverse of quantize_values, fp32 [..., T, D]."""
     return dequantize(qv.data, qv.scale, qv.zero)
+
+
+class WholeKivi(Protocol):
+    """KIVI over a whole partition in fewer passes, with the same bits as this module's torch ops (for one, the
+    fused CPU kernels: backends/cpu_kernels.KernelKivi). A partition given one (KVPartition.kivi) uses it where it
+    applies: each method returns False, having changed nothing, where it does not, and the partition runs torch's.
+    Shapes as KVPartition stores them: k, v, codes [L, H, C, D]; key scale/zero [L, H, ceil(C / group), D]; value
+    scale/zero [L, H, C, 1]."""
+
+    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor, group: int, codes_k: torch.Tensor,
+                    scale_k: torch.Tensor, zero_k: torch.Tensor, codes_v: torch.Tensor, scale_v: torch.Tensor,
+                    zero_v: torch.Tensor) -> bool:
+        """Keys per channel over groups of `group` slots (the last group may be shorter), values per token, into
+        the given storage."""
+
+    def dequantize_kv(self, codes_k: torch.Tensor, scale_k: torch.Tensor, zero_k: torch.Tensor,
+                      codes_v: torch.Tensor, scale_v: torch.Tensor, zero_v: torch.Tensor, group: int,
+                      out_k: torch.Tensor, out_v: torch.Tensor) -> bool:
+        """Both dequantized into out_k, out_v [L, H, C, D] (views along C of a larger buffer work)."""

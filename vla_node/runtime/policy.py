@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vla_node.backends import cpu_kernels
 from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
@@ -130,6 +131,9 @@ class MultiRatePolicy:
         self.text = KVPartition(PartitionSpec("text", c.max_text_tokens, cache.text_dtype, L, KV, hd), dev)
         self.vision = VisionMemory.build(vcfg, L, KV, hd, device=dev, compute_dtype=dtype)
         self.action = KVPartition(PartitionSpec("action", c.state_slots, cache.action_dtype, L, KV, hd), dev)
+        kivi = cpu_kernels.kivi_kernels() if dev.type == "cpu" else None  # int8 partitions' whole passes fused
+        for partition in (self.text, *self.vision.partitions, self.action):
+            partition.kivi = kivi
         self._read = {p.name: self._read_buffers(p) for p in (self.text, self.action)}
         # staging: the K/V a stage computes, laid out text | frames | states, committed at the end
         stage_tokens = max(c.max_text_tokens + c.vision_frames * c.tokens_per_frame + c.state_slots,
