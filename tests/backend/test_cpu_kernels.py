@@ -138,6 +138,28 @@ def test_the_moves_mean_change_is_torchs_for_any_sample_size(dtype, samples):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_move_adds_its_result_to_the_residual_stream_as_torch_does(dtype):
+    """shift_reused with a residual stream: out as without one, and the stream plus out rounded once, as
+    residual.add_(out) gives (the kernel's pass and torch's ops alike: a fresh row and a moved one)."""
+    generator = torch.Generator().manual_seed(3)
+    old = (torch.randn(23, 48, generator=generator) * 4).to(dtype)
+    new = torch.randn(5, 48, generator=generator).to(dtype)
+    rows = torch.tensor([0, 4, 5, 11, 22])
+    stream = (torch.randn(23, 48, generator=generator) * 30).to(dtype)
+    want_out = _torch_shift(old, new, rows, rows[[1, 3]], 0)
+    want = stream.clone().add_(want_out)
+    out, got = torch.empty_like(old), stream.clone()
+    with torch.inference_mode():
+        assert cpu_kernels.shift(out, old, new, rows, rows[[1, 3]], torch.tensor([1, 3]), 0, got)
+    assert torch.equal(out, want_out) and torch.equal(got, want)
+    out, got = torch.empty_like(old), stream.clone()
+    with torch.inference_mode():
+        shift_reused(out, old, new, rows, rows[:0], 0, residual=got)  # no sample: torch's ops
+    assert torch.equal(got, stream + old.index_copy(0, rows, new))
+
+
+@needs_kernels
 def test_a_layout_the_kernel_cannot_read_is_left_to_torch():
     """fresh whose dims after the token dim are not contiguous, or out the same memory as old: the kernel declines
     (False), shift_reused's torch form gives the result."""

@@ -62,13 +62,14 @@ RMS_NORM(vla_rms_norm_f32, float, load_f32, store_f32)
  * at int64 [s] (s >= 1; at: the sample's places among the rows); fresh [outer, n, inner] at strides (fresh_outer,
  * fresh_token, 1): a view such as a permuted q|k|v; inner <= MAX_INNER. torch's form of it (index_select,
  * a subtraction and a mean over the sample, a copy to fp32, an add, a copy back, an index_copy) gives the same
- * bits: its mean over at most 16 values sums them in order and divides. */
+ * bits: its mean over at most 16 values sums them in order and divides. With `acc` (else NULL; out's layout, apart
+ * from it) the residual stream takes the result too: acc += out as stored, one rounding, as torch's add_ does. */
 #define MAX_INNER 4096 /* the move's values per token: a stack array */
 #define SHIFT(NAME, T, LOAD, STORE)                                                                            \
     void NAME(const T *restrict old, const T *restrict fresh, int64_t fresh_outer, int64_t fresh_token,       \
               const int64_t *restrict rows, int64_t n, const int64_t *restrict sample,                         \
               const int64_t *restrict at, int64_t s, T *restrict out, int64_t outer, int64_t tokens,           \
-              int64_t inner) {                                                                                 \
+              int64_t inner, T *restrict acc) {                                                                \
         float move[MAX_INNER];                                                                                 \
         for (int64_t o = 0; o < outer; o++) {                                                                  \
             const T *fresh_o = fresh + o * fresh_outer, *old_o = old + o * tokens * inner;                     \
@@ -84,9 +85,12 @@ RMS_NORM(vla_rms_norm_f32, float, load_f32, store_f32)
                 if (j < n && rows[j] == t) {                                                                   \
                     memcpy(out + at_t, fresh_o + j * fresh_token, (size_t)inner * sizeof(T));                  \
                     j++;                                                                                       \
-                    continue;                                                                                  \
+                } else {                                                                                       \
+                    for (int64_t i = 0; i < inner; i++) STORE(out + at_t + i, LOAD(old + at_t + i) + move[i]); \
                 }                                                                                              \
-                for (int64_t i = 0; i < inner; i++) STORE(out + at_t + i, LOAD(old + at_t + i) + move[i]);     \
+                if (acc)                                                                                       \
+                    for (int64_t i = 0; i < inner; i++)                                                        \
+                        STORE(acc + at_t + i, LOAD(acc + at_t + i) + LOAD(out + at_t + i));                    \
             }                                                                                                  \
         }                                                                                                      \
     }

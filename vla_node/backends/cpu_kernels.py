@@ -53,7 +53,7 @@ _KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
-    "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I],
+    "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P],
     "kivi_keys": [_P, _I, _I, _I, _I, _P, _P, _P],
     "kivi_values": [_P, _I, _I, _P, _P, _P],
     "kivi_dequant": [_P, _P, _P, _I, _I, _I, _I, _P, _I],
@@ -218,13 +218,14 @@ def _rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 
 def _shift(lib: Kernels, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, fresh_strides: tuple[int, int],
-           rows: torch.Tensor, sample: torch.Tensor, at: torch.Tensor, dim: int) -> None:
+           rows: torch.Tensor, sample: torch.Tensor, at: torch.Tensor, dim: int,
+           residual: torch.Tensor | None = None) -> None:
     """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`: out and old contiguous and apart, fresh
     at its (outer, token) strides (_fresh_strides); rows, sample and at contiguous int64, in range, rows sorted and
-    distinct, as pick_rows makes them."""
+    distinct, as pick_rows makes them; residual (or None) contiguous as out, apart from it, takes += out."""
     lib.shift[old.dtype](old.data_ptr(), fresh.data_ptr(), *fresh_strides, rows.data_ptr(), rows.numel(),
                          sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(),
-                         old.shape[dim], old.shape[dim + 1:].numel())
+                         old.shape[dim], old.shape[dim + 1:].numel(), None if residual is None else residual.data_ptr())
 
 
 def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:
@@ -254,21 +255,25 @@ def _eager() -> bool:
 
 
 def shift(out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
-          at: torch.Tensor, dim: int) -> bool:
+          at: torch.Tensor, dim: int, residual: torch.Tensor | None = None) -> bool:
     """runtime/vision_cache.shift_reused by the fused kernel where it applies (CPU, bf16 or fp32, a sample, every
-    tensor contiguous but fresh, which may be a view: _fresh_strides; inference); False where it does not, and the
-    caller runs torch's ops."""
+    tensor contiguous but fresh, which may be a view: _fresh_strides; inference), with `residual` += out in the same
+    pass (out's shape and dtype, contiguous, apart from out); False where it does not, having changed nothing, and
+    the caller runs torch's ops."""
     lib = library()
     if (lib is None or old.dtype not in _KINDS or out.dtype != old.dtype or fresh.dtype != old.dtype
             or old.device.type != "cpu" or not sample.numel() or old.shape[dim + 1:].numel() > MAX_INNER
             or any(i.dtype != torch.int64 or not i.is_contiguous() for i in (rows, sample, at))
             or not (out.is_contiguous() and old.is_contiguous()) or out.data_ptr() == old.data_ptr()
+            or (residual is not None and not (residual.dtype == out.dtype and residual.shape == out.shape
+                                              and residual.is_contiguous()
+                                              and residual.data_ptr() not in (out.data_ptr(), old.data_ptr())))
             or not _eager()):
         return False
     fresh_strides = _fresh_strides(fresh, dim)
     if fresh_strides is None:
         return False
-    _shift(lib, out, old, fresh, fresh_strides, rows, sample, at, dim)
+    _shift(lib, out, old, fresh, fresh_strides, rows, sample, at, dim, residual)
     return True
 
 

@@ -92,15 +92,17 @@ def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None
 
 
 def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
-                 dim: int, at: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+                 dim: int, at: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> None:
     """out <- old for every token, moved by the mean change (new - old) over `sample`, then new at `rows` (sorted,
     a superset of sample). Tokens run along `dim` of out and old (all T) and of new (the n recomputed rows). `at`:
     the sample's places among the rows (searchsorted(rows, sample)), where the caller has them already; `scratch`:
-    fp32, at least old's size, for the move of a non-fp32 `old` (without it, a temporary is allocated)."""
+    fp32, at least old's size, for the move of a non-fp32 `old` (without it, a temporary is allocated); `residual`
+    (out's shape): a residual stream that then takes out, residual += out (in the same pass where the kernel runs)."""
     if sample.numel():
         if at is None:
             at = torch.searchsorted(rows, sample)  # the sample's places among the recomputed rows
-        if cpu_kernels.shift(out, old, new, rows, sample, at, dim):  # the same bits in one pass
+        if cpu_kernels.shift(out, old, new, rows, sample, at, dim, residual):  # the same bits in one pass
             return
         change = new.index_select(dim, at).float() - old.index_select(dim, sample).float()
         move = change.mean(dim, keepdim=True)
@@ -112,6 +114,8 @@ def shift_reused(out: torch.Tensor, old: torch.Tensor, new: torch.Tensor, rows: 
     else:
         out.copy_(old)
     out.index_copy_(dim, rows, new)
+    if residual is not None:
+        residual.add_(out)
 
 
 class Rows(NamedTuple):
@@ -275,11 +279,11 @@ class VisionTokenCache:
         if full or (self.attend_all and not self.shared_drift_samples):
             attn = self.attention(sq, sk, sv)  # [H, T, hd]
             sa.copy_(a.out_proj(attn.transpose(0, 1).reshape(T, W)))  # [H, T, hd] -> [T, W]
+            x.add_(sa)
         else:
             attn = self.attention(q, sk, sv)  # [H, n, hd]
             new = a.out_proj(attn.transpose(0, 1).reshape(n, W))  # [H, n, hd] -> [n, W]
-            shift_reused(sa, live["attn_out"][i], new, rows, sample, 0, at, self._wide)
-        x.add_(sa)
+            shift_reused(sa, live["attn_out"][i], new, rows, sample, 0, at, self._wide, residual=x)
         if not full and self.drift_threshold is not None:  # the MLP's own gate: its input moved with the attention
             rows = drifted_rows(x, live["mid_ref"][i], rows, self.drift_threshold, self._mask)
             at = None  # the sample's places among the new rows: shift_reused finds them
@@ -291,10 +295,10 @@ class VisionTokenCache:
             _stage_rows(st["mid_ref"][i], live["mid_ref"][i], mid, None if full else rows)
         if full:
             sm.copy_(layer.mlp(layer.layer_norm2(x)))
+            x.add_(sm)
         else:
             shift_reused(sm, live["mlp_out"][i], layer.mlp(layer.layer_norm2(mid)), rows, sample, 0, at,
-                         self._wide)
-        x.add_(sm)
+                         self._wide, residual=x)
 
     def commit(self) -> None:
         """Apply every staged refresh: a staged camera's state is whole in the staging buffers, so with every
@@ -522,9 +526,9 @@ class FrameTokenCache:
         out = a.o_proj(rows_in.reshape(-1, H * hd))  # [rows, H, hd] -> [rows, H*hd]
         if every:
             sa.copy_(out[:T])
+            xs.add_(sa)
         else:
-            shift_reused(sa, self.attn_out[i], out[:n], rows, sample, 0, at, self._wide)
-        xs.add_(sa)
+            shift_reused(sa, self.attn_out[i], out[:n], rows, sample, 0, at, self._wide, residual=xs)
         xe.add_(out[out.shape[0] - xe.shape[0] :])
         self._update_mlp(i, layer, xa, xs, xe, picked, full, extra_index)
 
@@ -548,9 +552,9 @@ class FrameTokenCache:
         out = layer.mlp(layer.post_attention_layernorm(mid))
         if full:
             sm.copy_(out[:T])
+            xs.add_(sm)
         else:
-            shift_reused(sm, self.mlp_out[i], out[: rows.numel()], rows, sample, 0, at, self._wide)
-        xs.add_(sm)
+            shift_reused(sm, self.mlp_out[i], out[: rows.numel()], rows, sample, 0, at, self._wide, residual=xs)
         xe.add_(out[out.shape[0] - xe.shape[0] :])
 
     def commit(self) -> None:
