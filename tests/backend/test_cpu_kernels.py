@@ -375,3 +375,20 @@ def test_a_policy_with_int8_vision_gives_the_same_logits_with_the_kivi_kernels(m
     plain, with_torch = run()
     assert plain.vision.partitions[0].kivi is None
     assert all(np.array_equal(a, b) for a, b in zip(with_kernels, with_torch))
+
+
+@needs_kernels
+def test_kivi_declines_storage_not_laid_out_as_a_partition_keeps_it():
+    """Scales of the wrong count or codes of another dtype: KernelKivi declines (it indexes by the layout), and
+    nothing is written."""
+    kivi = cpu_kernels.kivi_kernels()
+    k, v = _kivi_inputs(torch.float32)
+    stored = _kivi_storage(_int8_partition(None))
+    before = [t.clone() for t in stored]
+    short = [stored[0], stored[1][:, :, :2], stored[2][:, :, :2].contiguous(), *stored[3:]]  # 2 key groups of 3
+    with torch.inference_mode():
+        assert not kivi.quantize_kv(k, v, 4, *short)
+        assert not kivi.quantize_kv(k, v, 0, *stored)
+        assert not kivi.quantize_kv(k, v, 4, stored[0].float(), *stored[1:])
+        assert not kivi.dequantize_kv(*short, 4, torch.empty_like(k), torch.empty_like(v))
+    assert all(torch.equal(a, b) for a, b in zip(stored, before))

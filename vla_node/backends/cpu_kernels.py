@@ -288,8 +288,8 @@ class KernelKivi:
 
     def quantize_kv(self, k, v, group, codes_k, scale_k, zero_k, codes_v, scale_v, zero_v) -> bool:
         scales = (scale_k, zero_k, scale_v, zero_v)
-        if not (k.dtype in _KINDS and v.dtype == k.dtype and k.shape == v.shape == codes_k.shape == codes_v.shape
-                and k.shape[-1] <= MAX_INNER and all(s.dtype == torch.float16 for s in scales) and _eager()
+        if not (k.dtype in _KINDS and v.dtype == k.dtype and k.shape == v.shape
+                and _kivi_layout(codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group) and _eager()
                 and all(t.device.type == "cpu" and t.is_contiguous() for t in (k, v, codes_k, codes_v, *scales))):
             return False
         *lead, tokens, D = k.shape
@@ -304,9 +304,9 @@ class KernelKivi:
         scales = (scale_k, zero_k, scale_v, zero_v)
         strides = [_outer_stride(out) for out in (out_k, out_v)]
         if not (out_k.dtype in _KINDS and out_v.dtype == out_k.dtype and None not in strides
-                and out_k.shape == out_v.shape == codes_k.shape == codes_v.shape and codes_k.shape[-1] <= MAX_INNER
-                and all(s.dtype == torch.float16 for s in scales) and _eager()
-                and all(t.device.type == "cpu" for t in (out_k, out_v))
+                and out_k.shape == out_v.shape == codes_k.shape
+                and _kivi_layout(codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group) and _eager()
+                and all(t.device.type == "cpu" for t in (out_k, out_v, codes_k, codes_v, *scales))
                 and all(t.is_contiguous() for t in (codes_k, codes_v, *scales))):
             return False
         *lead, tokens, D = codes_k.shape
@@ -316,6 +316,17 @@ class KernelKivi:
             self._lib.kivi_dequant[out.dtype](codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), outer, tokens, D,
                                               grouping, out.data_ptr(), stride)
         return True
+
+
+def _kivi_layout(codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group: int) -> bool:
+    """Whether the storage is a KVPartition's int8 layout that the kernels index: int8 codes [..., C, D] (D at most
+    MAX_INNER), fp16 key scale/zero [..., ceil(C / group), D] and value scale/zero [..., C, 1]."""
+    *lead, tokens, D = codes_k.shape
+    key_params, value_params = (*lead, -(-tokens // max(group, 1)), D), (*lead, tokens, 1)
+    return (group > 0 and D <= MAX_INNER and codes_k.dtype == codes_v.dtype == torch.int8
+            and codes_v.shape == codes_k.shape and scale_k.shape == zero_k.shape == key_params
+            and scale_v.shape == zero_v.shape == value_params
+            and all(t.dtype == torch.float16 for t in (scale_k, zero_k, scale_v, zero_v)))
 
 
 def _outer_stride(out: torch.Tensor) -> int | None:
