@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vla_node.bench.floor import floor_ms, measure_bandwidth, measure_floor, measure_matrix_rate, stage_work
@@ -172,3 +173,20 @@ def test_measure_floor_is_json():
     assert json.loads(json.dumps(result)) == result
     assert result["floor_ms"] == max(result["compute_ms"], result["memory_ms"]) > 0
     assert result["bound"] in ("compute", "memory") and result["refreshed"] == 2
+
+
+def test_the_matrix_rate_takes_the_fastest_way_the_machine_multiplies():
+    """In bf16 on a CPU whose oneDNN runs bf16 in hardware the prepacked matmul (the node's packed weights) is timed
+    beside F.linear, and both compute the same product; each shape names the way its time came from."""
+    from vla_node.backends.packed_weights import packed_weights_available
+    from vla_node.bench.floor import _matmuls
+
+    x, w = torch.randn(20, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    ways = _matmuls(x, w)
+    assert set(ways) == ({"F.linear", "prepacked"} if packed_weights_available() else {"F.linear"})
+    with torch.inference_mode():
+        for fn in ways.values():
+            torch.testing.assert_close(fn().float(), F.linear(x, w).float(), rtol=2 ** -7, atol=1e-2)
+    assert set(_matmuls(x.float(), w.float())) == {"F.linear"}
+    rate = measure_matrix_rate([(20, 64, 48, 3)], torch.bfloat16, repeats=1)
+    assert rate["per_shape"][0]["by"] in ways and rate["gflops"] > 0

@@ -21,7 +21,9 @@ activations, biases and residual adds are not counted. The text partition is ful
 Bytes: each weight matrix used, read once (K*N elements, even when applied per camera or to two row sets), and the
 decoder's K/V once per layer for every key slot of the prefix buffer; activations are assumed to stay in cache.
 The floor is a roofline: the larger of FLOPs (attention included) / the matrix rate measured on the stage's own GEMM
-shapes and dtype, and bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB).
+shapes and dtype (each shape the fastest way the machine has: F.linear, or in bf16 on a CPU the oneDNN matmul on
+a prepacked weight, as the node's packed weights run), and bytes / the read bandwidth of a float32 .sum() over a
+buffer of that many bytes (>= 8 MiB).
 """
 
 from __future__ import annotations
@@ -181,18 +183,34 @@ def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) 
     return min(loop(calls) for _ in range(max(1, repeats)))
 
 
+def _matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The ways this machine multiplies x [M, K] by w [N, K]^T at their dtype: F.linear, and on a CPU where oneDNN
+    runs bf16 in hardware the matmul on a prepacked weight (F.linear reorders a bf16 weight on every call: at a
+    tick's 20 rows about half the prepacked matmul's rate on an AMX Xeon)."""
+    ways: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, w)}
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        from vla_node.backends.packed_weights import packed_weights_available
+
+        if packed_weights_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+            ways["prepacked"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return ways
+
+
 def measure_matrix_rate(gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu") -> dict:
-    """Every distinct GEMM shape timed as F.linear(x [M, K], w [N, K]) at `dtype`; gflops: all the stage's GEMM FLOPs
-    over their total time (each shape's best time x its count)."""
+    """Every distinct GEMM shape timed at `dtype` the fastest way this machine has (_matmuls: F.linear, a prepacked
+    weight); gflops: all the stage's GEMM FLOPs over their total time (each shape's best time x its count)."""
     device = torch.device(device)
     per_shape, total_flops, total_s = [], 0, 0.0
     for m, k, n, count in gemms:
         x = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(n, k, device=device).to(dtype)
-        seconds = _best_seconds(lambda: F.linear(x, w), repeats, device)
+        timed = {way: _best_seconds(fn, repeats, device) for way, fn in _matmuls(x, w).items()}
+        way = min(timed, key=timed.get)
+        seconds = timed[way]
         flops = 2 * m * k * n
         per_shape.append({"m": m, "k": k, "n": n, "count": count, "us": _sig(seconds * 1e6),
-                          "gflops": _sig(flops / seconds / 1e9)})
+                          "gflops": _sig(flops / seconds / 1e9), "by": way})
         total_flops += flops * count
         total_s += seconds * count
     return {"gflops": _sig(total_flops / total_s / 1e9), "per_shape": per_shape}
