@@ -1,8 +1,9 @@
 /* Fused CPU kernels for vla_node/backends/cpu_kernels.py: elementwise work that eager PyTorch runs as several
- * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization). Plain C, vectorized by the compiler for the machine it is built on
- * (-O3 -march=native); -ffp-contract=off keeps every multiply and add rounded on its own, as torch's ops round
- * them. bf16 values travel as their 16 bits; a bf16 -> fp32 conversion is exact, fp32 -> bf16 rounds to nearest
- * even (a NaN becomes the quiet NaN 0x7fc0), as torch's conversion does. All arrays are contiguous.
+ * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization). Plain C, vectorized
+ * by the compiler for the machine it is built on (-O3 -march=native); -ffp-contract=off keeps every multiply and
+ * add rounded on its own, as torch's ops round them. bf16 values travel as their 16 bits; a bf16 -> fp32
+ * conversion is exact, fp32 -> bf16 rounds to nearest even (a NaN becomes the quiet NaN 0x7fc0), as torch's
+ * conversion does. All arrays are contiguous but where a kernel says otherwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -199,7 +200,8 @@ static inline int8_t kivi_code(float x, float scale, float zero) {
                 }                                                                                              \
                 int8_t *cg = codes + (o * tokens + first) * D;                                                 \
                 for (int64_t t = 0; t < end - first; t++)                                                      \
-                    for (int64_t d = 0; d < D; d++) cg[t * D + d] = kivi_code(LOAD(xg + t * D + d), s[d], z[d]); \
+                    for (int64_t d = 0; d < D; d++)                                                            \
+                        cg[t * D + d] = kivi_code(LOAD(xg + t * D + d), s[d], z[d]);                           \
             }                                                                                                  \
     }
 
@@ -252,7 +254,8 @@ static inline int8_t kivi_code(float x, float scale, float zero) {
                     }                                                                                          \
                     for (int64_t d = 0; d < D; d++) STORE(y + d, (float)(c[d] + 128) * s[d] + z[d]);           \
                 } else {                                                                                       \
-                    const float sv = half_to_float(scale[o * tokens + t]), zv = half_to_float(zero[o * tokens + t]); \
+                    const float sv = half_to_float(scale[o * tokens + t]);                                     \
+                    const float zv = half_to_float(zero[o * tokens + t]);                                      \
                     for (int64_t d = 0; d < D; d++) STORE(y + d, (float)(c[d] + 128) * sv + zv);               \
                 }                                                                                              \
             }                                                                                                  \
