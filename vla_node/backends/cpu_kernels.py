@@ -229,8 +229,8 @@ def _shift(lib: Kernels, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tens
 
 
 def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:
-    """fresh's strides as [outer, n, inner] (its dims before `dim` flattened, those after contiguous), or None
-    where its layout has no such form."""
+    """A view's strides as [outer, n, inner] (its dims before `dim` flattened, those after contiguous): the outer
+    and the token stride, or None where its layout has no such form (the move's fresh rows, KIVI's outputs)."""
     sizes, strides = fresh.shape, fresh.stride()
     inner = 1
     for d in range(fresh.dim() - 1, dim, -1):  # the dims after `dim`: contiguous
@@ -302,17 +302,18 @@ class KernelKivi:
 
     def dequantize_kv(self, codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group, out_k, out_v) -> bool:
         scales = (scale_k, zero_k, scale_v, zero_v)
-        strides = [_outer_stride(out) for out in (out_k, out_v)]
-        if not (out_k.dtype in _KINDS and out_v.dtype == out_k.dtype and None not in strides
+        *lead, tokens, D = codes_k.shape
+        strides = [_fresh_strides(out, out.dim() - 2) for out in (out_k, out_v)]  # (outer, token) strides
+        if not (out_k.dtype in _KINDS and out_v.dtype == out_k.dtype
+                and all(s is not None and (s[1] == D or tokens == 1) for s in strides)  # rows of D apart
                 and out_k.shape == out_v.shape == codes_k.shape
                 and _kivi_layout(codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group) and _eager()
                 and all(t.device.type == "cpu" for t in (out_k, out_v, codes_k, codes_v, *scales))
                 and all(t.is_contiguous() for t in (codes_k, codes_v, *scales))):
             return False
-        *lead, tokens, D = codes_k.shape
         outer = math.prod(lead)
-        for codes, scale, zero, grouping, out, stride in ((codes_k, scale_k, zero_k, group, out_k, strides[0]),
-                                                         (codes_v, scale_v, zero_v, 0, out_v, strides[1])):
+        for codes, scale, zero, grouping, out, (stride, _) in ((codes_k, scale_k, zero_k, group, out_k, strides[0]),
+                                                              (codes_v, scale_v, zero_v, 0, out_v, strides[1])):
             self._lib.kivi_dequant[out.dtype](codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), outer, tokens, D,
                                               grouping, out.data_ptr(), stride)
         return True
@@ -327,24 +328,6 @@ def _kivi_layout(codes_k, scale_k, zero_k, codes_v, scale_v, zero_v, group: int)
             and codes_v.shape == codes_k.shape and scale_k.shape == zero_k.shape == key_params
             and scale_v.shape == zero_v.shape == value_params
             and all(t.dtype == torch.float16 for t in (scale_k, zero_k, scale_v, zero_v)))
-
-
-def _outer_stride(out: torch.Tensor) -> int | None:
-    """The stride between rows of out [..., T, D] as [outer, T, D] with (T, D) contiguous within each outer index
-    and one stride across the leading dims; None where it has no such layout."""
-    *lead, tokens, D = out.shape
-    if (D > 1 and out.stride(-1) != 1) or (tokens > 1 and out.stride(-2) != D):
-        return None
-    stride, span = None, None
-    for size, step in reversed(list(zip(lead, out.stride()[: len(lead)]))):
-        if size == 1:
-            continue
-        if stride is None:
-            stride = step
-        elif step != span:
-            return None
-        span = step * size
-    return tokens * D if stride is None else stride
 
 
 def kivi_kernels() -> KernelKivi | None:
