@@ -141,9 +141,9 @@ def cmd_build_engines(args) -> int:
 
     config = load_launch(args.launch)
     section = dataclasses.replace(config.model, **given(args, "backend", "recipe"))
-    if section.backend == "torch":
-        raise ConfigError("backend 'torch' runs the eager policy: no engines to build (pass --backend onnxruntime, "
-                          "tensorrt or cudagraph)")
+    if section.backend == "torch" and not section.resolved_compiled_tick:
+        raise ConfigError("backend 'torch' runs the eager policy: no engines to build unless its tick is compiled "
+                          "(model.compiled_tick); pass --backend onnxruntime, tensorrt or cudagraph")
     build_launch_engines(config.replace(model=dataclasses.replace(section, fallback=())), args.launch,
                          progress=lambda line: print(line, flush=True))
     return 0

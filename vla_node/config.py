@@ -59,6 +59,10 @@ class ModelSection:
     threads: int = 1  # torch intra-op threads; 0 = torch's default
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
     vision_frames: int | None = None  # frames kept in the vision memory; None: the model's (positions only)
+    # the eager policy's action tick as one compiled call (TickStep by AOTInductor, kept in engines_dir, compiled at
+    # start where missing): on | off | auto (on with packed weights on an AMX CPU, where it measured faster; the fp32
+    # tick with fp16 weights measured slower compiled: the compiled step reads fp32 weights). Bins head, backend torch
+    compiled_tick: str = "off"
 
     def __post_init__(self) -> None:
         if self.checkpoint is None:
@@ -96,6 +100,8 @@ class ModelSection:
         require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
         require(self.vision_frames is None or (isinstance(self.vision_frames, int) and self.vision_frames >= 1),
                 "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")
+        require(self.compiled_tick in ("on", "off", "auto"), "model.compiled_tick", self.compiled_tick,
+                "'on', 'off' or 'auto'")
 
     @property
     def resolved_dtype(self) -> str:
@@ -133,6 +139,18 @@ class ModelSection:
         if weights == "packed" or (weights == "fp16" and self.resolved_dtype == "fp32"):
             return weights
         return "plain"
+
+    @property
+    def resolved_compiled_tick(self) -> bool:
+        """Whether the eager policy (backend torch) runs its tick compiled: compiled_tick 'on', or 'auto' with the bins
+        head and packed weights on a CPU whose bf16 matmuls run on AMX tiles (where it was measured faster)."""
+        if self.compiled_tick != "auto":
+            return self.compiled_tick == "on"
+        if self.weight_format != "packed" or self.model_config().action_head != "bins":
+            return False
+        from vla_node.backends.cpu_features import onednn_runs_amx
+
+        return onednn_runs_amx()
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Callable
 
 import torch
 
 from vla_node.backends.engine_set import EngineSet, exported_engines, step_specs, torch_engines
-from vla_node.backends.loading import load_model
-from vla_node.backends.store import EngineStore, EngineStoreError
+from vla_node.backends.loading import convert_weights, load_model
+from vla_node.backends.store import EngineStore, EngineStoreError, weights_digest
 from vla_node.config import NodeConfig
 from vla_node.kv.dtypes import torch_dtype
 from vla_node.model.config import ModelConfig, preset
@@ -126,41 +127,105 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
                    launch: str | None = None) -> tuple[MultiRatePolicy, MultiRatePolicy | None, BackendChoice]:
     """The main engine's policy and the smaller engine's: with `scheduler.smaller_preset` that preset (given the main
     engine's action head and text capacity: smaller_shapes), with
-    `scheduler.smaller_recipe` the same model in that recipe (degrade by precision); on the resolved backend."""
+    `scheduler.smaller_recipe` the same model in that recipe (degrade by precision); on the resolved backend. The
+    eager backend's tick compiled where model.compiled_tick resolves on (the choice's recipe then says so)."""
     section = config.model
     choice = choice or resolve_backend(config)
     if choice.skipped:
         log.warning("backend %s (%s); skipped: %s", choice.backend, choice.recipe, "; ".join(choice.skipped))
     dtype = torch_dtype(section.resolved_dtype)
     weights = section.weight_format if choice.backend == "torch" else "plain"
+    compile_tick = choice.backend == "torch" and section.resolved_compiled_tick
+    compiled: list[bool] = []
 
-    def policy_for(model: VLA) -> MultiRatePolicy:
+    def load(shapes: ModelConfig, checkpoint: str | None) -> tuple[VLA, PlainWeights | None]:
+        model = load_model(shapes, "plain", checkpoint, section.seed)
+        if choice.backend != "torch":
+            return model, None
+        plain = None
+        if compile_tick:  # keyed by the plain decoder's weights, before conversion
+            plain = PlainWeights(weights_digest(model.decoder), lambda: load_model(shapes, "plain", checkpoint,
+                                                                                  section.seed))
+        return convert_weights(model, weights), plain
+
+    def policy_for(model: VLA, plain: PlainWeights | None) -> MultiRatePolicy:
         if choice.backend == "torch":
-            return MultiRatePolicy(model, config.cache, dtype, section.device, config.reuse)
+            policy = MultiRatePolicy(model, config.cache, dtype, section.device, config.reuse)
+            if plain is not None:
+                compiled.append(attach_compiled_tick(config, policy, plain, launch))
+            return policy
         engines = engine_set(config, model, choice.backend, choice.recipe, launch=launch)
         return EnginePolicy(model, engines, config.cache, section.device, config.reuse)
 
-    main = load_model(section.model_config(), weights, section.checkpoint, section.seed)
-    policy = policy_for(main)
+    main, plain = load(section.model_config(), section.checkpoint)
+    policy = policy_for(main, plain)
     small = None
     if config.scheduler.smaller_preset is not None:
-        shapes = smaller_shapes(config, policy.config)
-        small = policy_for(load_model(shapes, weights, seed=section.seed))
+        small = policy_for(*load(smaller_shapes(config, policy.config), None))
     elif config.scheduler.smaller_recipe is not None:  # degrade by precision: the same model, another recipe
         if choice.backend in ("torch", "cudagraph"):
             raise ConfigError(f"scheduler.smaller_recipe = {config.scheduler.smaller_recipe!r}: backend "
                               f"{choice.backend!r} runs no recipes (onnxruntime or tensorrt do)")
         engines = engine_set(config, main, choice.backend, config.scheduler.smaller_recipe, launch=launch)
         small = EnginePolicy(main, engines, config.cache, section.device, config.reuse)  # the weights shared
+    if compiled and compiled[0]:
+        choice = dataclasses.replace(choice, recipe=f"{choice.recipe}, compiled tick (AOTInductor)")
     return policy, small, choice
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainWeights:
+    """What a compiled tick is keyed by and built from: the digest of the model's plain decoder weights, and how to
+    load the plain model again (only when it must be compiled)."""
+
+    decoder_digest: str
+    load: Callable[[], VLA]
+
+
+def attach_compiled_tick(config: NodeConfig, policy: MultiRatePolicy, plain: PlainWeights, launch: str | None
+                         ) -> bool:
+    """The compiled tick (backends/tick_engine.py) attached to `policy`, from the store, compiled where missing.
+    Where it cannot be had: with compiled_tick 'on' a ConfigError saying why; with 'auto' a warning, and the eager
+    tick runs. Returns whether it was attached."""
+    from vla_node.backends.inductor_engine import inductor_problem
+    from vla_node.backends.tick_engine import tick_engine
+    from vla_node.runtime.compiled_tick import tick_buffers, unsupported
+
+    section = config.model
+    problem = inductor_problem() or unsupported(policy)
+    engine = None
+    if problem is None:
+        try:
+            engine = tick_engine(EngineStore(section.engines_dir), plain.decoder_digest, plain.load,
+                                 tick_buffers(policy)[0],
+                                 section.threads or torch.get_num_threads(), section.build_engines,
+                                 f"vla-node build-engines --launch {launch or 'FILE'}", _log_progress)
+        except EngineStoreError as e:
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # a compiler's failure: 'auto' runs the eager tick, 'on' fails
+            if section.compiled_tick == "on":
+                raise
+            problem = f"compiling it failed: {type(e).__name__}: {e}"
+    if engine is None:
+        if section.compiled_tick == "on":
+            raise ConfigError(f"model.compiled_tick = 'on': {problem}")
+        log.warning("model.compiled_tick = 'auto': the eager tick runs (%s)", problem)
+        return False
+    policy.use_compiled_tick(engine)
+    return True
 
 
 def build_launch_engines(config: NodeConfig, launch: str | None = None, progress=_log_progress) -> BackendChoice:
     """Build (or check) every engine the node of `config` would run on its resolved backend, the smaller engine's
     too, with progress: what `vla-node build-engines`, the demo and the node benchmark run before a node starts, so
-    that it starts from a built store. Returns the backend choice (torch: nothing to build)."""
+    that it starts from a built store: for the eager backend its compiled tick where compiled_tick resolves on.
+    Returns the backend choice."""
     section = config.model
     choice = resolve_backend(config)
+    if choice.backend == "torch" and section.resolved_compiled_tick:
+        progress(f"the eager policy's compiled tick ({section.model_config().name}) in {section.engines_dir}/")
+        return build_policies(config.replace(model=dataclasses.replace(section, build_engines=True)),
+                              choice, launch)[2]
     if choice.backend in ("torch", "cudagraph"):
         return choice  # nothing stored: the eager policy, or torch steps captured at start
     main = load_model(section.model_config(), "plain", section.checkpoint, section.seed)

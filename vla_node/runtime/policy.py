@@ -31,6 +31,7 @@ import torch
 
 from vla_node.backends import cpu_kernels
 from vla_node.backends.cpu_features import onednn_runs_amx
+from vla_node.backends.engine import Engine
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
 from vla_node.kv.cache_config import CacheConfig
@@ -42,6 +43,7 @@ from vla_node.model.flow import ChunkGuide
 from vla_node.model.tokenizer import encode
 from vla_node.model.vision import fused_attention, softmax_attention
 from vla_node.model.vla import VLA, preprocess_frame, to_pixels
+from vla_node.runtime.compiled_tick import CompiledTick
 from vla_node.runtime.flow_tick import FlowTick
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.runtime.stages import Check, StageAborted, span
@@ -204,6 +206,12 @@ class MultiRatePolicy:
         self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
         self._flow = FlowTick(self) if c.action_head == "flow" else None
+        self._compiled: CompiledTick | None = None  # use_compiled_tick
+
+    def use_compiled_tick(self, engine: Engine) -> None:
+        """Run every action tick outside a frame's pass as `engine`, a compiled TickStep over this policy's buffers
+        (runtime/compiled_tick.py; built by backends/tick_engine.py). A ValueError where it does not apply."""
+        self._compiled = CompiledTick(self, engine)
 
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
@@ -622,6 +630,8 @@ class MultiRatePolicy:
         tick), they are recomputed in the same block (_fused_tick). Returns (bins [H, D], the state's K and V
         [L, KV, 1, hd], the recomputed states' (slots, K, V, positions) to write, or None)."""
         c, m = self.config, self.model
+        if self._compiled is not None:
+            return self._compiled.tick(x_state, self.state_count % c.state_slots, self._states_stale, check)
         if self._states_stale:
             return self._fused_tick(x_state, position, check)
         x = torch.cat([x_state, m.embed_text(m.query_ids(None))])  # [1 + H*D, hidden]
