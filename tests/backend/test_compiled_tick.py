@@ -6,6 +6,8 @@ layout is refused, and the launch file's compiled_tick resolves, falls back and 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -130,6 +132,22 @@ def test_a_binding_of_another_layout_is_refused(store):
         engine.run(inputs, outputs)
 
 
+FRESH_PROCESS = """
+import torch
+from vla_node.backends.inductor_engine import InductorEngine, layout
+from vla_node.backends.tick_engine import INPUTS, OUTPUTS
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.runtime.compiled_tick import tick_buffers
+from vla_node.runtime.policy import MultiRatePolicy
+
+inputs, outputs = tick_buffers(MultiRatePolicy(build_vla(preset("tiny"), seed=0), CacheConfig(), torch.bfloat16))
+InductorEngine(PACKAGE, INPUTS, OUTPUTS, {n: layout(t) for n, t in inputs.items()}).run(inputs, outputs)
+print("ran", bool(outputs["logits"].isfinite().all()))
+"""
+
+
 def tiny_config(tmp_path, *overrides: str):
     return load_launch(TEST_LAUNCH_DIR / "tiny.toml", [f"model.engines_dir={tmp_path / 'engines'}", *overrides])
 
@@ -147,6 +165,12 @@ def test_the_node_path_compiles_its_tick_where_weights_are_packed(tmp_path):
     pairs = list(zip(drive(eager), drive(compiled), strict=True))
     assert max(relative(a.logits, b.logits) for a, b in pairs) < 2e-2
     assert np.mean([(a.bins == b.bins).mean() for a, b in pairs]) >= 0.9
+    # a fresh process where nothing else ran AMX first (the node's warm-up runs oneDNN's AMX kernels before a tick,
+    # which asks for the tile registers; the package alone must too, or its first tile instruction is a SIGILL)
+    package = next((tmp_path / "engines").glob(f"tick-bfloat16-*/{PACKAGE}"))
+    code = FRESH_PROCESS.replace("PACKAGE", repr(str(package)))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ran True", (run.returncode, run.stderr[-2000:])
 
 
 def test_compiled_tick_resolves_falls_back_and_fails_as_the_launch_file_says(tmp_path, monkeypatch, caplog):

@@ -70,6 +70,10 @@ class InductorEngine:
 
     def __init__(self, path: str | Path, input_names: Sequence[str], output_names: Sequence[str],
                  layouts: Mapping[str, tuple]) -> None:
+        # The package's AMX kernels need the kernel's permission to use the tile registers (arch_prctl), which oneDNN
+        # asks for when it first runs AMX and inductor when it compiles; without it a fresh process dies of SIGILL on
+        # the first tile instruction. Asking is harmless where there is no AMX (it returns False).
+        torch.cpu._init_amx()
         # (package, model name in it, run single-threaded: one caller, no runner pool, runners, device index)
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
         self.input_names, self.output_names = tuple(input_names), tuple(output_names)

@@ -89,7 +89,8 @@ def _weight_bytes(config: NodeConfig) -> int:
 def path_name(config: NodeConfig) -> str:
     """The path that ran: compute dtype and linear-weight format, and where the CPU's AMX changes the kernels, the
     attention on torch's SDPA (policy.fused_attention_pays) and the packed matmuls' rows padded to buckets
-    (packed_weights.RowBuckets)."""
+    (packed_weights.RowBuckets); the tick compiled where model.compiled_tick resolves on (eager_policy checks that it
+    did)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
@@ -97,7 +98,20 @@ def path_name(config: NodeConfig) -> str:
         parts.append("SDPA attention")
     if s.weight_format == "packed" and bucket_step() > 1:
         parts.append(f"rows padded to {bucket_step()}")
+    if s.resolved_compiled_tick:
+        parts.append("tick compiled (AOTInductor)")
     return ", ".join(parts)
+
+
+def eager_policy(config: NodeConfig) -> MultiRatePolicy:
+    """The eager policy of `config` (compute_config), warmed up as the node's warm-up does, its tick compiled where
+    path_name says so: a compiled tick that could not be had is an error here, not a mislabelled figure."""
+    policy, _, _ = build_policies(config)
+    if config.model.resolved_compiled_tick and not policy.compiled_tick:
+        raise RuntimeError("model.compiled_tick resolves on, but the tick could not be compiled (see the warning "
+                           "above): the figures would be the eager tick's")
+    policy.compile_kernels()
+    return policy
 
 
 def accuracy(chunks: list[ActionChunk], oracle: list[ActionChunk]) -> dict:
@@ -113,8 +127,7 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     side (module docstring), with accuracy against the fp32 reference on the same frames."""
     ours_config = compute_config(config, dtype)
     torch_dtype = dtype_named(ours_config.model.resolved_dtype)
-    policy, _, _ = build_policies(ours_config)
-    policy.compile_kernels()  # as the node's warm-up does
+    policy = eager_policy(ours_config)
     c = policy.config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     int8 = EnginePolicy(plain, engine_set(config, plain, "onnxruntime", "int8-ort", build=True), config.cache,
@@ -176,8 +189,7 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
         eager["fp32"] = compute_config(config, "fp32")
     backends: dict[str, MultiRatePolicy] = {}
     for key, node_config in eager.items():
-        backends[f"torch {path_name(node_config)}"] = policy = build_policies(node_config)[0]
-        policy.compile_kernels()  # as the node's warm-up does
+        backends[f"torch {path_name(node_config)}"] = eager_policy(node_config)
     c = next(iter(backends.values())).config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     for recipe in ("fp32", "int8-ort"):

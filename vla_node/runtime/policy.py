@@ -213,6 +213,11 @@ class MultiRatePolicy:
         (runtime/compiled_tick.py; built by backends/tick_engine.py). A ValueError where it does not apply."""
         self._compiled = CompiledTick(self, engine)
 
+    @property
+    def compiled_tick(self) -> bool:
+        """Whether the action tick runs compiled (use_compiled_tick)."""
+        return self._compiled is not None
+
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
         n = 1 + m + queries
