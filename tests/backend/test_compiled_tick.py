@@ -54,9 +54,9 @@ def policy(store: EngineStore | None, cache: CacheConfig = CacheConfig.exact(), 
 
 
 def drive(p: MultiRatePolicy, n: int = 4, seed: int = 0) -> list:
-    """Chunks of: a text, n frames (full, then a few patches repainted; the first frame's tick in its pass, every
-    frame followed by more ticks than the ring has slots: stale stored states after each commit, then fresh ones),
-    a text change and a tick after it."""
+    """Chunks of: a text, n frames (full, then a few patches repainted; the second frame's tick in its pass, every
+    frame followed by more ticks than the ring has slots: stale stored states after each commit, none stored yet
+    after the first, then fresh ones), a text change and a tick after it."""
     rng = np.random.default_rng(seed)
     c, grid = p.config, p.config.image_size // p.config.patch_size
     image = rng.integers(0, 256, (1, c.image_size, c.image_size, 3), dtype=np.uint8)
@@ -69,7 +69,7 @@ def drive(p: MultiRatePolicy, n: int = 4, seed: int = 0) -> list:
             r, col = divmod(t, grid)
             image[0, r * c.patch_size : (r + 1) * c.patch_size, col * c.patch_size : (col + 1) * c.patch_size] = 0
             tokens = [torch.tensor([t])]
-        update = p.update_vision(image, tokens, False, None, rng.normal(size=c.state_dim) if i == 0 else None)
+        update = p.update_vision(image, tokens, False, None, rng.normal(size=c.state_dim) if i == 1 else None)
         if update.chunk is not None:
             chunks.append(update.chunk)
         chunks += [p.action_tick(rng.normal(size=c.state_dim)) for _ in range(c.state_slots + 1)]
