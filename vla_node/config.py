@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_DIR = REPO_ROOT / "launch"
 CHECKPOINTS_DIR = REPO_ROOT / "checkpoints"  # trained checkpoints kept with the code (checkpoints/README.md)
 MAX_LAUNCH_BYTES = 1 << 20  # a launch file is a few kB; refuse anything larger before reading it
+MAX_NESTING = 16  # tables and arrays nested deeper than this (a launch file nests 3) are refused
 
 
 @dataclass(frozen=True)
@@ -294,14 +295,30 @@ def _read_toml(path: Path) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+    too_deep = f"{path}: invalid TOML: arrays or inline tables nested too deep"
     try:
-        return tomllib.loads(text)
+        tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     except RecursionError:  # tomllib's recursive descent: arrays or inline tables nested hundreds deep
-        raise ConfigError(f"{path}: invalid TOML: arrays or inline tables nested too deep") from None
+        raise ConfigError(too_deep) from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int/str conversion limit)
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    if _nesting(tables) > MAX_NESTING:  # the same answer whatever the recursion limit (inductor raises it)
+        raise ConfigError(too_deep)
+    return tables
+
+
+def _nesting(value: object) -> int:
+    """How deep tables and arrays nest in `value` (a scalar 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def parse_override(override: str) -> tuple[tuple[str, ...], object]:

@@ -20,6 +20,7 @@ from vla_node.backends.inductor_engine import InductorEngine, inductor_problem, 
 from vla_node.backends.packed_weights import packed_weights_available
 from vla_node.backends.store import EngineStore, weights_digest
 from vla_node.backends.tick_engine import INPUTS, OUTPUTS, PACKAGE, tick_engine
+from vla_node.cli import main
 from vla_node.config import load_launch
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
@@ -171,6 +172,24 @@ def test_the_node_path_compiles_its_tick_where_weights_are_packed(tmp_path):
     code = FRESH_PROCESS.replace("PACKAGE", repr(str(package)))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ran True", (run.returncode, run.stderr[-2000:])
+
+
+def test_build_engines_compiles_the_eager_policys_tick(tmp_path, monkeypatch, capsys):
+    """`vla-node build-engines` (build_launch_engines) on backend torch: the compiled tick where compiled_tick resolves
+    on, into the store, which a node's start then loads; without it, nothing to build, said so."""
+    monkeypatch.setattr(inductor_engine, "INDUCTOR_OPTIONS", FAST)
+    launch = tmp_path / "tiny.toml"
+    launch.write_text((TEST_LAUNCH_DIR / "tiny.toml").read_text().replace(
+        "[model]\n", f'[model]\ncompiled_tick = "on"\nengines_dir = "{tmp_path / "engines"}"\n', 1))
+    assert main(["build-engines", "--launch", str(launch)]) == 0
+    assert "the eager policy's compiled tick (tiny)" in capsys.readouterr().out
+    assert len(list((tmp_path / "engines").glob(f"tick-float32-*/{PACKAGE}"))) == 1
+    config = load_launch(launch, ["model.build_engines=false"])  # a start that may not build: loads it
+    policy, _, choice = build_policies(config)
+    assert policy.compiled_tick and choice.recipe.endswith("compiled tick (AOTInductor)")
+    launch.write_text(launch.read_text().replace('compiled_tick = "on"', 'compiled_tick = "off"'))
+    assert main(["build-engines", "--launch", str(launch)]) == 2
+    assert "no engines to build unless its tick is compiled" in capsys.readouterr().err
 
 
 def test_compiled_tick_resolves_falls_back_and_fails_as_the_launch_file_says(tmp_path, monkeypatch, caplog):

@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import random
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -358,6 +359,20 @@ def test_launch_files_that_crashed_the_loader_are_config_errors(tmp_path, conten
         load_launch(path)
     message = str(e.value)
     assert message.startswith(f"{path}: ") and fragment in message and len(message) <= MAX_MESSAGE_CHARS
+
+
+def test_deep_nesting_is_refused_whatever_the_recursion_limit(tmp_path):
+    """Found by CI: torch's inductor raises the interpreter's recursion limit (to 2000) when it compiles, after which
+    tomllib parsed 500 nested arrays and the loader answered with a type error instead; the depth is checked itself."""
+    path = tmp_path / "launch.toml"
+    path.write_bytes(b"[model]\ninstruction = " + b"[" * 500 + b"]" * 500)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(before, 5000))
+    try:
+        with pytest.raises(ConfigError, match="nested too deep"):
+            load_launch(path)
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_validation_helpers_on_values_python_cannot_print_or_convert():

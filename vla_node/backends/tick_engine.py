@@ -27,7 +27,7 @@ import torch
 from vla_node.backends import inductor_engine
 from vla_node.backends.engine_set import STEPS_VERSION, step_specs
 from vla_node.backends.export import parity
-from vla_node.backends.inductor_engine import INDUCTOR_OPTIONS, InductorEngine, layout
+from vla_node.backends.inductor_engine import InductorEngine, layout
 from vla_node.backends.steps import TickStep
 from vla_node.backends.store import EngineKey, EngineStore, device_description
 from vla_node.model.vla import VLA
@@ -100,12 +100,14 @@ def build_tick(plain_model: VLA, inputs: Mapping[str, torch.Tensor], threads: in
 
 def tick_engine(store: EngineStore, decoder_digest: str, plain_model: Callable[[], VLA],
                 inputs: Mapping[str, torch.Tensor], threads: int, build: bool, build_command: str,
-                progress: Callable[[str], None], options: Mapping[str, object] = INDUCTOR_OPTIONS) -> InductorEngine:
-    """The compiled tick (inductor `options`) for a policy binding `inputs` (tick_buffers) and running `threads`
-    intra-op threads, from the store, compiled first where missing (`plain_model()` loads the weights whose decoder
-    digest is `decoder_digest`) unless `build` is false: then an EngineStoreError naming `build_command`."""
+                progress: Callable[[str], None], options: Mapping[str, object] | None = None) -> InductorEngine:
+    """The compiled tick (inductor `options`, default inductor_engine.INDUCTOR_OPTIONS) for a policy binding `inputs`
+    (tick_buffers) and running `threads` intra-op threads, from the store, compiled first where missing
+    (`plain_model()` loads the weights whose decoder digest is `decoder_digest`) unless `build` is false: then an
+    EngineStoreError naming `build_command`."""
     if tuple(inputs) != INPUTS:
         raise ValueError(f"tick inputs {tuple(inputs)}: expected {INPUTS}")
+    options = inductor_engine.INDUCTOR_OPTIONS if options is None else options
     key = tick_key(decoder_digest, inputs, threads, options)
     make = (lambda tmp: build_tick(plain_model(), inputs, threads, options, tmp, progress)) if build else None
     folder = store.get(key, make, build_command)

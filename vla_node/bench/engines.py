@@ -168,7 +168,8 @@ def _time_steps(engines: dict[str, dict], specs, names, eager: Callable[[], None
 
 
 def node_rss_mb(preset_name: str, backend: str, engines_dir: str) -> float:
-    """The resident memory of a warmed-up node pipeline on `backend`, in a fresh process (MB)."""
+    """The resident memory of a warmed-up node pipeline on `backend`, in a fresh process (MB), as launch/cpu.toml runs
+    it: what it loads from the store and is not there (the eager backend's compiled tick) it builds first."""
     code = (
         "import dataclasses, sys\n"
         "from vla_node.config import default_launch, load_launch\n"
@@ -176,7 +177,7 @@ def node_rss_mb(preset_name: str, backend: str, engines_dir: str) -> float:
         "from vla_node.node.pipeline import Pipeline\n"
         "c = load_launch(default_launch())\n"
         f"c = c.replace(model=dataclasses.replace(c.model, preset={preset_name!r}, backend={backend!r}, "
-        f"fallback=(), engines_dir={engines_dir!r}, build_engines=False, instruction='keep lane'))\n"
+        f"fallback=(), engines_dir={engines_dir!r}, build_engines=True, instruction='keep lane'))\n"
         "Pipeline(c, warm_up_rounds=1)\n"
         "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')][0])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
