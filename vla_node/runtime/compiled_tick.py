@@ -27,7 +27,8 @@ from vla_node.runtime.stages import Check, StageAborted
 def unsupported(policy) -> str | None:
     """Why `policy` (a MultiRatePolicy) cannot run its tick as a compiled TickStep (None: it can)."""
     c = policy.config
-    checks = [(c.action_head == "bins", f"action_head = {c.action_head!r} (the compiled tick is the bins head's)"),
+    checks = [(policy.device.type == "cpu", f"device {policy.device} (the tick is compiled for the CPU)"),
+              (c.action_head == "bins", f"action_head = {c.action_head!r} (the compiled tick is the bins head's)"),
               (c.action_decode == "parallel", f"action_decode = {c.action_decode!r} (expected parallel)"),
               (policy._prefix is not None, "no tick prefix buffer (cache.tick_prefix = false, or a vision policy "
                                            "that tracks attention: h2o, quota, tiered)")]
