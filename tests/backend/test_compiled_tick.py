@@ -48,8 +48,8 @@ def policy(store: EngineStore | None, cache: CacheConfig = CacheConfig.exact(), 
     digest = weights_digest(model.decoder)
     p = MultiRatePolicy(model, cache, dtype)
     if store is not None:
-        engine = tick_engine(store, digest, lambda: build_vla(TINY, seed=0), tick_buffers(p)[0],
-                             torch.get_num_threads(), True, "vla-node build-engines", lambda line: None, FAST)
+        engine = tick_engine(store, digest, lambda: build_vla(TINY, seed=0), tick_buffers(p)[0], 1, True,
+                             "vla-node build-engines", lambda line: None, FAST)  # 1 thread, as tiny.toml says
         p.use_compiled_tick(engine)
     return p
 
@@ -174,16 +174,17 @@ def test_the_node_path_compiles_its_tick_where_weights_are_packed(tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "ran True", (run.returncode, run.stderr[-2000:])
 
 
-def test_build_engines_compiles_the_eager_policys_tick(tmp_path, monkeypatch, capsys):
+def test_build_engines_compiles_the_eager_policys_tick(store, tmp_path, monkeypatch, capsys):
     """`vla-node build-engines` (build_launch_engines) on backend torch: the compiled tick where compiled_tick resolves
-    on, into the store, which a node's start then loads; without it, nothing to build, said so."""
+    on, into the store (the other tests' package, where they ran first: the same key), which a node's start then
+    loads; without it, nothing to build, said so."""
     monkeypatch.setattr(inductor_engine, "INDUCTOR_OPTIONS", FAST)
     launch = tmp_path / "tiny.toml"
     launch.write_text((TEST_LAUNCH_DIR / "tiny.toml").read_text().replace(
-        "[model]\n", f'[model]\ncompiled_tick = "on"\nengines_dir = "{tmp_path / "engines"}"\n', 1))
+        "[model]\n", f'[model]\ncompiled_tick = "on"\nengines_dir = "{store.root}"\n', 1))
     assert main(["build-engines", "--launch", str(launch)]) == 0
     assert "the eager policy's compiled tick (tiny)" in capsys.readouterr().out
-    assert len(list((tmp_path / "engines").glob(f"tick-float32-*/{PACKAGE}"))) == 1
+    assert len(list(store.root.glob(f"tick-float32-*/{PACKAGE}"))) == 1
     config = load_launch(launch, ["model.build_engines=false"])  # a start that may not build: loads it
     policy, _, choice = build_policies(config)
     assert policy.compiled_tick and choice.recipe.endswith("compiled tick (AOTInductor)")
