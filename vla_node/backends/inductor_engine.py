@@ -13,6 +13,7 @@ What it needs: torch's inductor and a C++ compiler on PATH (`inductor_problem` s
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -32,10 +33,15 @@ INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
 QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no tables on stderr
 
 
+def cxx() -> str:
+    """The C++ compiler inductor runs on Linux: $CXX, else g++ (its config.cpp.cxx default)."""
+    return os.environ.get("CXX") or "g++"
+
+
 def inductor_problem() -> str | None:
     """Why a step cannot be compiled here (None: it can)."""
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        return "no C++ compiler on PATH (g++ or c++: the Debian package g++)"
+    if shutil.which(cxx()) is None:
+        return f"no C++ compiler {cxx()!r} on PATH (set CXX, or install the Debian package g++)"
     if importlib.util.find_spec("torch._inductor") is None or not hasattr(torch._C, "_aoti"):
         return f"torch {torch.__version__} has no AOTInductor"
     return None

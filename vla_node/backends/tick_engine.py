@@ -38,7 +38,11 @@ OUTPUTS = ("logits", "state_k", "state_v")
 
 
 def compiler_version() -> str:
-    out = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False).stdout
+    """The first line of `$CXX --version` (inductor_engine.cxx), or why there is none."""
+    try:
+        out = subprocess.run([inductor_engine.cxx(), "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError as e:
+        return f"no C++ compiler ({e})"
     return out.splitlines()[0] if out else "unknown C++ compiler"
 
 
