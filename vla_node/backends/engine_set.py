@@ -208,11 +208,16 @@ def decoder_cut(c: ModelConfig) -> int:
     return max(1, c.num_layers // 2)
 
 
+def other_slots(state_slots: int, slot: int) -> torch.Tensor:
+    """The ring slots other than `slot`, in the tick block's order: ring order after it (slot + 1, ..., slot + S - 1
+    mod S), int64 [S - 1]."""
+    return torch.tensor([(slot + i) % state_slots for i in range(1, state_slots)], dtype=torch.long)
+
+
 def tick_positions(c: ModelConfig, slot: int) -> torch.Tensor:
-    """The tick block's positions [S + Q]: the new state's ring slot, then the other slots in ring order after it
-    (slot + 1, ..., slot + S - 1 mod S), then the action queries'."""
-    S = c.state_slots
-    others = [(slot + i) % S for i in range(1, S)]
+    """The tick block's positions [S + Q]: the new state's ring slot, then the other slots' (other_slots), then the
+    action queries'."""
+    others = other_slots(c.state_slots, slot).tolist()
     return torch.tensor([c.state_base + slot, *(c.state_base + o for o in others),
                          *range(c.query_base, c.query_base + c.action_tokens)])
 

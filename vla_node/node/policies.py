@@ -136,7 +136,6 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
     dtype = torch_dtype(section.resolved_dtype)
     weights = section.weight_format if choice.backend == "torch" else "plain"
     compile_tick = choice.backend == "torch" and section.resolved_compiled_tick
-    compiled: list[bool] = []
 
     def load(shapes: ModelConfig, checkpoint: str | None) -> tuple[VLA, PlainWeights | None]:
         model = load_model(shapes, "plain", checkpoint, section.seed)
@@ -152,7 +151,7 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
         if choice.backend == "torch":
             policy = MultiRatePolicy(model, config.cache, dtype, section.device, config.reuse)
             if plain is not None:
-                compiled.append(attach_compiled_tick(config, policy, plain, launch))
+                attach_compiled_tick(config, policy, plain, launch)
             return policy
         engines = engine_set(config, model, choice.backend, choice.recipe, launch=launch)
         return EnginePolicy(model, engines, config.cache, section.device, config.reuse)
@@ -168,7 +167,7 @@ def build_policies(config: NodeConfig, choice: BackendChoice | None = None,
                               f"{choice.backend!r} runs no recipes (onnxruntime or tensorrt do)")
         engines = engine_set(config, main, choice.backend, config.scheduler.smaller_recipe, launch=launch)
         small = EnginePolicy(main, engines, config.cache, section.device, config.reuse)  # the weights shared
-    if compiled and compiled[0]:
+    if policy.compiled_tick:
         choice = dataclasses.replace(choice, recipe=f"{choice.recipe}, compiled tick (AOTInductor)")
     return policy, small, choice
 
@@ -183,10 +182,10 @@ class PlainWeights:
 
 
 def attach_compiled_tick(config: NodeConfig, policy: MultiRatePolicy, plain: PlainWeights, launch: str | None
-                         ) -> bool:
+                         ) -> None:
     """The compiled tick (backends/tick_engine.py) attached to `policy`, from the store, compiled where missing.
     Where it cannot be had: with compiled_tick 'on' a ConfigError saying why; with 'auto' a warning, and the eager
-    tick runs. Returns whether it was attached."""
+    tick runs (policy.compiled_tick says which)."""
     from vla_node.backends.inductor_engine import inductor_problem
     from vla_node.backends.tick_engine import tick_engine
     from vla_node.runtime.compiled_tick import tick_buffers, unsupported
@@ -210,9 +209,8 @@ def attach_compiled_tick(config: NodeConfig, policy: MultiRatePolicy, plain: Pla
         if section.compiled_tick == "on":
             raise ConfigError(f"model.compiled_tick = 'on': {problem}")
         log.warning("model.compiled_tick = 'auto': the eager tick runs (%s)", problem)
-        return False
+        return
     policy.use_compiled_tick(engine)
-    return True
 
 
 def build_launch_engines(config: NodeConfig, launch: str | None = None, progress=_log_progress) -> BackendChoice:

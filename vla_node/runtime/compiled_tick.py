@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from vla_node.backends.engine import Engine
-from vla_node.backends.engine_set import tick_positions
+from vla_node.backends.engine_set import other_slots, tick_positions
 from vla_node.backends.steps import tick_bias
 from vla_node.backends.tick_engine import INPUTS, OUTPUTS
-from vla_node.runtime.stages import Check, StageAborted
+from vla_node.runtime.stages import Check, stop
 
 
 def unsupported(policy) -> str | None:
@@ -65,8 +65,8 @@ class CompiledTick:
         S = c.state_slots
         with policy.device:
             self.inputs, self.outputs = tick_buffers(policy)
-            # per ring slot of the new state: the other slots in the block's order (tick_positions'), their positions
-            self.others = [torch.tensor([(slot + i) % S for i in range(1, S)], dtype=torch.long) for slot in range(S)]
+            # per ring slot of the new state: the other slots in the block's order, the block's positions
+            self.others = [other_slots(S, slot) for slot in range(S)]
             self.positions = [tick_positions(c, slot) for slot in range(S)]
             self.rows = torch.arange(1, S)  # the other states' rows in the block
 
@@ -80,8 +80,7 @@ class CompiledTick:
         inputs["state_x"][1:].copy_(p._state_embeds.index_select(0, others))
         inputs["positions"].copy_(self.positions[slot])
         inputs["bias"].copy_(tick_bias(p._prefix.bias[0, : p._prefix.prefix_tokens], valid, c.action_tokens))
-        if check is not None and not check(0.0):
-            raise StageAborted("stopped before the compiled tick")
+        stop(check, 0.0, "stopped before the compiled tick")
         self.engine.run(inputs, outputs)
         p._logits.copy_(outputs["logits"])
         bins: np.ndarray = p.bins.bins_from_logits(p._logits).cpu().numpy()

@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from vla_node.backends.engine_set import EngineSet, capacities, decoder_cut, tick_positions
+from vla_node.backends.engine_set import EngineSet, capacities, decoder_cut, other_slots, tick_positions
 from vla_node.backends.flow_step import flow_bias, state_bias, state_positions
 from vla_node.backends.steps import text_bias, tick_bias
 from vla_node.kv.cache_config import CacheConfig
@@ -44,8 +44,9 @@ from vla_node.model.config import ModelConfig
 from vla_node.model.flow import ChunkGuide, tick_noise
 from vla_node.model.tokenizer import encode
 from vla_node.model.vla import VLA, to_pixels
-from vla_node.runtime.policy import Check, MultiRatePolicy, StageAborted, VisionUpdate, on_device, require_commit
+from vla_node.runtime.policy import Check, MultiRatePolicy, VisionUpdate, on_device, require_commit
 from vla_node.runtime.reuse import ReuseConfig
+from vla_node.runtime.stages import stop
 
 
 def unsupported(c: ModelConfig, cache: CacheConfig, reuse: ReuseConfig) -> str | None:
@@ -119,7 +120,7 @@ class EnginePolicy(MultiRatePolicy):
         self._state_x, self._tick_positions_buf = zeros(S, hidden), zeros(S + Q, dtype=torch.long)
         self._tick_block_bias = zeros(S + Q, P + S + Q)
         self._tick_out = {"logits": zeros(Q, c.vocab_size), "state_k": kv(S), "state_v": kv(S)}
-        self._other_slots = [torch.tensor([(slot + i) % S for i in range(1, S)], dtype=torch.long) for slot in range(S)]
+        self._other_slots = [other_slots(S, slot) for slot in range(S)]
         self._ring_stale = False  # a commit since the last tick: the ring's stored states are not recomputed yet
         self._noise_host = zeros(c.action_horizon, c.action_dims, device="cpu")  # tick_noise draws on the CPU
         self._noise_generator = torch.Generator()
@@ -182,7 +183,7 @@ class EnginePolicy(MultiRatePolicy):
         c = self.config
         ids = encode(instruction, c.max_text_tokens)
         n = len(ids)
-        _stop(check, 0.0, "stopped before the text step")
+        stop(check, 0.0, "stopped before the text step")
         self._ids.zero_()[:n].copy_(torch.tensor(ids))
         self._text_block_bias.copy_(text_bias(n, c.max_text_tokens))
         self.engines["text"].run({"ids": self._ids, "positions": self._text_positions, "bias": self._text_block_bias},
@@ -190,7 +191,7 @@ class EnginePolicy(MultiRatePolicy):
         held = bool(self._frame_ids)
         if held:
             total = n + c.tokens_per_frame
-            _stop(check, n / total, "stopped before the frame's decoder step")
+            stop(check, n / total, "stopped before the frame's decoder step")
             self._new_text_bias.zero_()[n:] = float("-inf")
             self._run_decoder(self._tower[0]["out"], None, self._new_text["text_k"], self._new_text["text_v"],
                               self._new_text_bias, None, check, (n + total) / (2 * total))
@@ -231,9 +232,9 @@ class EnginePolicy(MultiRatePolicy):
             self.frame_count += 1
             return VisionUpdate(self.frame_count - 1, 0, c.tokens_per_frame, False, None)
         self._pixels.copy_(to_pixels(images, torch.float32))
-        _stop(check, 0.0, "stopped before the vision tower")
+        stop(check, 0.0, "stopped before the vision tower")
         refreshed = self._run_tower(tokens)
-        _stop(check, 0.5, "stopped after the vision tower")
+        stop(check, 0.5, "stopped after the vision tower")
         flat = torch.cat([cam * Tc + t for cam, t in enumerate(tokens)]) if partial else None  # [n] frame tokens
         slot = self.state_count % c.state_slots
         if tick:
@@ -307,7 +308,7 @@ class EnginePolicy(MultiRatePolicy):
             outputs.update(state_k=out["state_k"][:cut], state_v=out["state_v"][:cut])
         extra = {"state_x": self._state_x} if tick else {}
         self.engines[f"{base}-a"].run({"tower_out": tower_out, **shared, **extra}, outputs)
-        _stop(check, halfway, f"stopped after decoder layer {cut - 1}")
+        stop(check, halfway, f"stopped after decoder layer {cut - 1}")
         # the second: layers [cut, L)
         outputs = {"frame_k": frame["frame_k"][cut:], "frame_v": frame["frame_v"][cut:]}
         if cut < L - 1:
@@ -338,7 +339,7 @@ class EnginePolicy(MultiRatePolicy):
         s = check_state(state, c.state_dim).to(self.device, torch.float32)
         slot = self.state_count % c.state_slots
         self._fill_tick_rows(s, slot, self._prefix_bias)
-        _stop(check, 0.0, "stopped before the tick step")
+        stop(check, 0.0, "stopped before the tick step")
         self.engines["tick"].run({"state_x": self._state_x, "positions": self._tick_positions_buf,
                                   "prefix_k": self._prefix_k, "prefix_v": self._prefix_v,
                                   "bias": self._tick_block_bias}, self._tick_out)
@@ -376,7 +377,7 @@ class EnginePolicy(MultiRatePolicy):
         s = check_state(state, c.state_dim).to(self.device, torch.float32)
         slot = self.state_count % c.state_slots
         self._fill_flow_inputs(s, slot)
-        _stop(check, 0.0, "stopped before the flow tick step")
+        stop(check, 0.0, "stopped before the flow tick step")
         engine = self.engines[f"flow-tick-{steps}"]
         buffers = self._flow_buffers
         engine.run({n: buffers[n] for n in engine.input_names}, {n: buffers[n] for n in engine.output_names})
@@ -449,9 +450,4 @@ class EnginePolicy(MultiRatePolicy):
 def _capacity(by_capacity: dict, need: int) -> int:
     """The smallest capacity that holds `need` rows."""
     return min(k for k in by_capacity if k >= need)
-
-
-def _stop(check: Check | None, fraction: float, why: str) -> None:
-    if check is not None and not check(fraction):
-        raise StageAborted(why)
 

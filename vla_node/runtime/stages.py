@@ -17,3 +17,9 @@ def span(check: Check | None, start: float, end: float) -> Check | None:
     if check is None:
         return None
     return lambda fraction: check(start + (end - start) * fraction)
+
+
+def stop(check: Check | None, fraction: float, why: str) -> None:
+    """The budget check at `fraction` of a stage: StageAborted(`why`) where it says stop."""
+    if check is not None and not check(fraction):
+        raise StageAborted(why)
