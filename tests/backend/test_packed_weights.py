@@ -299,8 +299,7 @@ def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch
 
 
 @needs_packed
-def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing_where_rows_are_not_bucketed(
-        monkeypatch):
+def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once(monkeypatch):
     """Each bucket up to max_rows, then each exact count between buckets (a count on a bucket needs no kernel of its
     own), declared on every matmul and run on one matmul per kernel key (a layer's matmuls share theirs with the same
     matmuls of the other layers); a second warm-up compiles the buckets again (cache hits) but no exact count
@@ -314,10 +313,6 @@ def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once_and_nothing
     layers = [*model.vision.encoder.layers, *model.decoder.model.layers]
     qkv = [layer.self_attn.__dict__["qkv"] for layer in layers]  # SigLIP's and Llama's
     everything = [packed_weights._row_buckets(m) for m in matmuls + alone + qkv]
-    for rows in everything:
-        monkeypatch.setattr(rows, "step", 1)
-    assert packed_weights.warm_row_buckets(model, 40, {5, 20}) == 0  # not bucketed: nothing to compile
-    assert all(rows.exact == set() for rows in everything)
     for rows in everything:
         monkeypatch.setattr(rows, "step", 16)
     calls = []
@@ -415,16 +410,28 @@ def test_compile_kernels_declares_the_ticks_and_the_frames_row_counts_and_a_run_
     assert exact == [rows.exact for rows in every]
 
 
+def test_rows_are_padded_to_a_tile_with_AMX_and_to_8_elsewhere(monkeypatch):
+    """bucket_step: 16 rows (an AMX tile's) where oneDNN runs AMX, 8 on the other CPUs that pack (AVX512-BF16)."""
+    from vla_node.backends import cpu_features, packed_weights
+
+    for amx, step in ((True, 16), (False, 8)):
+        monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda amx=amx: amx)
+        assert packed_weights.bucket_step() == step
+        assert packed_weights.RowBuckets(4).step == step
+
+
 @needs_packed
-def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_tick(monkeypatch, capfd):
+@pytest.mark.parametrize("step, widths", [(16, (72, 88)), (8, (80, 96))])
+def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_tick(monkeypatch, capfd, step, widths):
     """oneDNN's own log of the primitives it creates (torch.backends.mkldnn.verbose): after the policy's warm-up, with
-    rows padded to 16 (as on AMX), a frame with its tick, partial frames of several sizes and a tick find every packed
-    matmul's kernel in oneDNN's cache, although the warm-up ran each row count on one matmul per kernel key (one
-    layer of the decoder's, one of the tower's): none is created anew. Without the warm-up they are. oneDNN's cache
-    is the process's, so each run has MLP widths no other test uses (the other kernels may be cached already)."""
+    rows padded to 16 (as on AMX) or 8 (elsewhere), a frame with its tick, partial frames of several sizes and a tick
+    find every packed matmul's kernel in oneDNN's cache, although the warm-up ran each row count on one matmul per
+    kernel key (one layer of the decoder's, one of the tower's): none is created anew. Without the warm-up they are.
+    oneDNN's cache is the process's, so each run has MLP widths no other test uses (the other kernels may be cached
+    already)."""
     from vla_node.backends import packed_weights
 
-    monkeypatch.setattr(packed_weights, "bucket_step", lambda: 16)
+    monkeypatch.setattr(packed_weights, "bucket_step", lambda: step)
     rng = np.random.default_rng(1)
     frames = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(4)]
     state = np.ones(preset("tiny").state_dim, np.float32)
@@ -446,5 +453,5 @@ def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_t
         assert any(",inner_product," in line for line in log), log[:20]  # the log is there: packed matmuls ran
         return [line for line in log if "create:cache_miss" in line and ",inner_product," in line]
 
-    assert created_in_stages(warm=True, mlp_width=72) == []
-    assert created_in_stages(warm=False, mlp_width=88)  # the check sees a kernel compiled in a stage
+    assert created_in_stages(warm=True, mlp_width=widths[0]) == []
+    assert created_in_stages(warm=False, mlp_width=widths[1])  # the check sees a kernel compiled in a stage

@@ -16,17 +16,21 @@ add in another order (AMX does at some shapes) and a sum on the edge between two
 one. Where oneDNN would only emulate bf16 (`ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16) or refuse it (below
 AVX-512), `packed_weights_available` says no.
 
-On a CPU whose oneDNN runs AMX, a packed matmul pads its rows up to a multiple of ROW_BUCKET unless the row count
-was declared exact at warm-up. oneDNN compiles a kernel per row count on first use (a 512 -> 1536 matmul: 1.65 ms a
-call over 197 new row counts, 0.24 ms for the same again, on a Xeon with AMX, one thread) and keeps 1024 in its
-cache; a reuse frame's row counts change from frame to frame (the refreshed tokens), so a run kept compiling: 30 clip
-frames took 61.3 ms each unpadded against 45.2 ms padded. warm_row_buckets compiles every bucket at start, and the
-row counts every frame or tick repeats (a tick's block, a frame's tokens: MultiRatePolicy.compile_kernels names them)
-run unpadded, their kernels compiled then too: padding those cost a tick 12.0 against 10.9 ms. Nothing is compiled
-after warm-up: promoting a count at run time once it recurred (an earlier form) filled each matmul's exact slots with
-reuse frames' counts that recurred by chance, and each promotion compiled a kernel per matmul shape in the frame that
-ran it (200 freeway frames at 25 fps through a new policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against
-45.1 ms, the median 36.6 against 36.0 ms). A padded row's result is dropped (rows are independent).
+A packed matmul pads its rows up to a multiple of the bucket (16, a tile's rows, where oneDNN runs AMX; 8 elsewhere)
+unless the row count was declared exact at warm-up. oneDNN compiles a kernel per row count on first use (a 512 ->
+1536 matmul: 1.65 ms a call over 197 new row counts, 0.24 ms for the same again, on a Xeon with AMX, one thread) and
+keeps 1024 in its cache; a reuse frame's row counts change from frame to frame (the refreshed tokens), so a run kept
+compiling: 30 clip frames took 61.3 ms each unpadded against 45.2 ms padded. Without AMX the same holds (an AVX512-BF16
+EPYC, Zen 5: a new row count about 2.5 ms at 69 rows against 0.25 ms again; the bench's 30 clip frames interleaved
+with transformers and the reference, runs alternating, speedup_vs_hf 5.35 unpadded (the mean of 5 runs), 5.82 padded
+to 4 rows (2), 5.86 to 8 (4), 5.71 to 16 (5), 5.52 to 32 (2)).
+warm_row_buckets compiles every bucket at start, and the row counts every frame or tick repeats (a tick's block, a
+frame's tokens: MultiRatePolicy.compile_kernels names them) run unpadded, their kernels compiled then too: padding
+those cost a tick 12.0 against 10.9 ms. Nothing is compiled after warm-up: promoting a count at run time once it
+recurred (an earlier form) filled each matmul's exact slots with reuse frames' counts that recurred by chance, and
+each promotion compiled a kernel per matmul shape in the frame that ran it (200 freeway frames at 25 fps through a new
+policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against 45.1 ms, the median 36.6 against 36.0 ms). A padded
+row's result is dropped (rows are independent).
 
 The plain weights stay in the modules as parameters, so a packed model still saves, loads and deep-copies as before;
 its dtype and device are fixed (bf16 on the CPU): convert before packing, not after.
@@ -48,7 +52,8 @@ from vla_node.model.decoder import LlamaMLP
 from vla_node.model.vision import SiglipMLP
 
 BATCH_HINT = 196  # rows oneDNN packs for (a camera's tokens); any row count works
-ROW_BUCKET = 16  # with AMX, rows are padded up to a multiple of this (the tile's rows)
+AMX_ROW_BUCKET = 16  # where oneDNN runs AMX, rows are padded up to a multiple of this (a tile's rows)
+ROW_BUCKET = 8  # elsewhere (AVX512-BF16), to a multiple of this
 
 
 def packed_weights_available() -> bool:
@@ -78,14 +83,14 @@ def warm_workers() -> int:
 
 
 def bucket_step() -> int:
-    """Rows per bucket of the packed matmuls in this process: ROW_BUCKET where oneDNN runs AMX, else 1 (unpadded)."""
-    return ROW_BUCKET if cpu_features.onednn_runs_amx() else 1
+    """Rows per bucket of the packed matmuls in this process: AMX_ROW_BUCKET where oneDNN runs AMX, else ROW_BUCKET."""
+    return AMX_ROW_BUCKET if cpu_features.onednn_runs_amx() else ROW_BUCKET
 
 
 class RowBuckets:
-    """A packed matmul's input rows padded up to a multiple of ROW_BUCKET where oneDNN runs AMX, but for the row
-    counts declared `exact` at warm-up (module docstring), through a scratch buffer kept between calls (grown to the
-    largest bucket seen; rows past the input's are stale and their results dropped)."""
+    """A packed matmul's input rows padded up to a multiple of bucket_step(), but for the row counts declared `exact`
+    at warm-up (module docstring), through a scratch buffer kept between calls (grown to the largest bucket seen; rows
+    past the input's are stale and their results dropped)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
@@ -234,7 +239,8 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     row count and the others only declare theirs. `workers` threads run the compiling matmuls (torch releases the
     interpreter lock inside them; oneDNN's kernel cache is shared and thread-safe): small's 193 kernels on an AMX
     Xeon's 2 vCPUs, three runs each, 0.47-0.61 s with 2 against 0.72-0.85 s with 1; in the demo's node 0.53 and
-    0.60 against 1.23 and 1.14 s. Returns the kernels compiled (0 where rows are not bucketed)."""
+    0.60 against 1.23 and 1.14 s; padded to 8 rows, 301 kernels on a Zen 5 EPYC (AVX512-BF16), 0.15-0.22 s with 2.
+    Returns the kernels compiled."""
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
@@ -243,8 +249,6 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     work: list[tuple[nn.Module, int, int]] = []  # (matmul, its input width, rows): every count declared first
     for matmul in warmed:
         rows = _row_buckets(matmul)
-        if rows.step == 1:
-            continue
         between = sorted(n for n in set(exact) - rows.exact if n % rows.step)
         for inner in _inner_row_buckets(matmul):  # a fused MLP's second matmul takes the first's rows as they are
             inner.exact.update(between)

@@ -15,7 +15,7 @@ a shared machine hits every one alike:
     fp32 reference the oracle of every accuracy figure (full recompute, fp32, plain weights)
 
 Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
-path that ran (dtype, linear-weight format, and with AMX the SDPA attention and the packed matmuls' row buckets).
+path that ran (dtype, linear-weight format, with AMX the SDPA attention, and the packed matmuls' row buckets).
 speedup_vs_hf = peer ms / ours ms (medians over the frames after the first, which is a full refresh for every
 contender).
 
@@ -87,16 +87,16 @@ def _weight_bytes(config: NodeConfig) -> int:
 
 
 def path_name(config: NodeConfig) -> str:
-    """The path that ran: compute dtype and linear-weight format, and where the CPU's AMX changes the kernels, the
-    attention on torch's SDPA (policy.fused_attention_pays) and the packed matmuls' rows padded to buckets
-    (packed_weights.RowBuckets); the tick compiled where model.compiled_tick resolves on (eager_policy checks that it
-    did)."""
+    """The path that ran: compute dtype and linear-weight format, where the CPU's AMX changes the kernels the
+    attention on torch's SDPA (policy.fused_attention_pays), the packed matmuls' rows padded to buckets
+    (packed_weights.RowBuckets: 16 rows with AMX, else 8); the tick compiled where model.compiled_tick resolves on
+    (eager_policy checks that it did)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
     if fused_attention_pays(dtype, torch.device(s.device)):
         parts.append("SDPA attention")
-    if s.weight_format == "packed" and bucket_step() > 1:
+    if s.weight_format == "packed":
         parts.append(f"rows padded to {bucket_step()}")
     if s.resolved_compiled_tick:
         parts.append("tick compiled (AOTInductor)")

@@ -698,7 +698,7 @@ class MultiRatePolicy:
 
     def compile_kernels(self, workers: int | None = None) -> int:
         """Compile every packed matmul's kernels for the rows it will run, as the node's warm-up does, so that no frame
-        or tick pays for one (packed_weights.RowBuckets; a no-op where rows are not padded): each row bucket up to the
+        or tick pays for one (packed_weights.RowBuckets; a no-op without packed weights): each row bucket up to the
         most rows its module runs, and, unpadded, the row counts every frame or tick repeats: a camera's tokens in the
         tower, a frame's in the projector, one state in its embedding; in the decoder a tick's block (the new state,
         the 0..S-1 other stored states when they are recomputed in it, the H*D queries), a frame's tokens alone and
