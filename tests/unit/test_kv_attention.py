@@ -169,8 +169,14 @@ def test_the_fused_kernel_equals_the_matmuls_with_masks_biases_gqa_and_empty_row
 
 
 def test_gather_workspace_is_reused_and_checked():
+    """One buffer for every call, its K/V views contiguous at any key count (a slice with the whole buffer's stride
+    between heads would be copied by the batched matmul), and a key count past its room refused."""
     ws = GatherWorkspace(2, 8, 20, 4)
     ptr = ws.k.data_ptr()
+    for tokens in (1, 13, 20):
+        k, v = ws.views(tokens)
+        assert k.shape == v.shape == (2, tokens, 8) and k.is_contiguous() and v.is_contiguous()
+        assert k.data_ptr() == ptr and v.data_ptr() == ws.v.data_ptr()
     q = torch.randn(4, 4, 8)
     segs = [(torch.randn(2, 10, 8), torch.randn(2, 10, 8), None), (torch.randn(2, 10, 8), torch.randn(2, 10, 8), None)]
     gather_attention(q, segs, ws)

@@ -36,6 +36,29 @@ def test_prefix_states_and_block_equal_dense(group):
     assert (out - dense_attention(q, whole.k, whole.v, whole.mask, whole.bias)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_smaller_block_after_a_larger_one_masks_the_slots_past_it(fused):
+    """A block attends over every slot of the buffer (no slice of K and V to copy), so the slots past a block of n <
+    N tokens hold the K/V a larger block left there: they are masked, and the result is the dense oracle's over the
+    prefix and the block alone."""
+    g = torch.Generator().manual_seed(1)
+    n_kv, d, states = 2, 8, 2
+    text = Segment(*_kv(g, n_kv, 5, d), torch.tensor([True] * 3 + [False] * 2))
+    buf = PrefixBuffer(1, n_kv, d, prefix_tokens=5, state_slots=states, block_tokens=6, fused=fused)
+    buf.load(lambda layer: [text])
+    buf.set_block(None, None, 6)
+    big_k, big_v = _kv(g, n_kv, 6, d)
+    buf.attend(0, torch.randn(n_kv, 6, d, generator=g), big_k * 100, big_v * 100, None)  # fills every block slot
+    for n in (3, 1):
+        block_mask = torch.ones(n, n, dtype=torch.bool).tril()
+        buf.set_block(None, block_mask, n)
+        q = torch.randn(n_kv * 2, n, d, generator=g)
+        k, v = _kv(g, n_kv, n, d)
+        whole = concat_segments([text, Segment(k, v, block_mask)], n)
+        oracle = dense_attention(q, whole.k, whole.v, whole.mask, whole.bias)
+        assert (buf.attend(0, q, k, v, None) - oracle).abs().max().item() <= 1e-5
+
+
 def test_bad_layouts_name_what_was_expected():
     buf = PrefixBuffer(1, 1, 4, prefix_tokens=3, state_slots=1, block_tokens=2)
     seg = Segment(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4))

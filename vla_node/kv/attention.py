@@ -136,15 +136,23 @@ def segmented_attention(q: torch.Tensor, segments: Sequence[Sequence]) -> tuple[
 
 
 class GatherWorkspace:
-    """Preallocated buffers for gather_attention: K/V [n_kv_heads, max_tokens, head_dim] and an fp32 logit
+    """Preallocated buffers for gather_attention: room for K/V of up to max_tokens keys (`views`) and an fp32 logit
     bias [max_q_len, max_tokens] (-inf where a row may not attend); `fused`: buffer_attention's kernel."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_tokens: int, max_q_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fused: bool = False) -> None:
-        self.k = torch.zeros(n_kv_heads, max_tokens, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_kv_heads, max_tokens, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(n_kv_heads * max_tokens * head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.logit_bias = torch.zeros(max_q_len, max_tokens, dtype=torch.float32, device=device)
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.max_tokens, self.max_q_len, self.fused = max_tokens, max_q_len, fused
+
+    def views(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `tokens` keys, each [n_kv_heads, tokens, head_dim] and contiguous (the buffers' first elements):
+        a slice of a [n_kv_heads, max_tokens, head_dim] buffer would keep its stride between heads, and torch's
+        batched matmul copies such an operand before multiplying."""
+        shape, n = (self.n_kv_heads, tokens, self.head_dim), self.n_kv_heads * tokens * self.head_dim
+        return self.k[:n].view(shape), self.v[:n].view(shape)  # [KV * tokens * hd] -> [KV, tokens, hd]
 
     @classmethod
     def for_segments(cls, q: torch.Tensor, segments: Sequence[Segment]) -> "GatherWorkspace":
@@ -172,17 +180,18 @@ def gather_attention(
                          f"{ws.max_tokens} tokens, q_len {ws.max_q_len}, {ws.k.dtype}")
     plain = all(seg.mask is None and seg.bias is None for seg in segs)  # every row sees every key, unbiased
     bias = None if plain else ws.logit_bias[:tq, :total]  # [q_len, total]
+    k, v = ws.views(total)
     offset = 0
     for seg in segs:
         end = offset + seg.k.shape[1]
-        ws.k[:, offset:end].copy_(seg.k)
-        ws.v[:, offset:end].copy_(seg.v)
+        k[:, offset:end].copy_(seg.k)
+        v[:, offset:end].copy_(seg.v)
         if bias is not None:
             fill_bias(bias[:, offset:end], seg.mask, seg.bias)
         offset = end
     # a non-empty segment without a mask or a bias (a bias may hold -inf) is seen by every row: no row is empty
     may_be_empty = not any(seg.mask is None and seg.bias is None and seg.k.shape[1] > 0 for seg in segs)
-    return buffer_attention(q, ws.k[:, :total], ws.v[:, :total], bias, check_empty=may_be_empty, fused=ws.fused)
+    return buffer_attention(q, k, v, bias, check_empty=may_be_empty, fused=ws.fused)
 
 
 def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
