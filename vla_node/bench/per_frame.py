@@ -15,7 +15,7 @@ a shared machine hits every one alike:
     fp32 reference the oracle of every accuracy figure (full recompute, fp32, plain weights)
 
 Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
-path that ran (dtype, linear-weight format, with AMX the SDPA attention, and the packed matmuls' row buckets).
+path that ran (dtype, linear-weight format, the SDPA attention with AMX, the packed matmuls' row buckets).
 speedup_vs_hf = peer ms / ours ms (medians over the frames after the first, which is a full refresh for every
 contender).
 
@@ -87,10 +87,10 @@ def _weight_bytes(config: NodeConfig) -> int:
 
 
 def path_name(config: NodeConfig) -> str:
-    """The path that ran: compute dtype and linear-weight format, where the CPU's AMX changes the kernels the
-    attention on torch's SDPA (policy.fused_attention_pays), the packed matmuls' rows padded to buckets
-    (packed_weights.RowBuckets: 16 rows with AMX, else 8); the tick compiled where model.compiled_tick resolves on
-    (eager_policy checks that it did)."""
+    """The path that ran: compute dtype and linear-weight format, the attention on torch's SDPA where the CPU's AMX
+    makes it pay (policy.fused_attention_pays), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets:
+    16 rows with AMX, else 8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
+    it did)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
