@@ -1,7 +1,8 @@
 /* Fused CPU kernels for vla_node/backends/cpu_kernels.py: elementwise work that eager PyTorch runs as several
- * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization). Plain C, vectorized
- * by the compiler for the machine it is built on (-O3 -march=native); -ffp-contract=off keeps every multiply and
- * add rounded on its own, as torch's ops round them. bf16 values travel as their 16 bits; a bf16 -> fp32
+ * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization, the decoder's attention).
+ * Plain C, vectorized by the compiler for the machine it is built on (-O3 -march=native); -ffp-contract=off keeps
+ * every multiply and add rounded on its own, as torch's ops round them (the attention alone uses AVX-512 intrinsics
+ * and fused multiply-adds: it does not promise torch's bits). bf16 values travel as their 16 bits; a bf16 -> fp32
  * conversion is exact, fp32 -> bf16 rounds to nearest even (a NaN becomes the quiet NaN 0x7fc0), as torch's
  * conversion does. All arrays are contiguous but where a kernel says otherwise.
  */
@@ -267,3 +268,175 @@ KIVI_VALUES(vla_kivi_values_bf16, uint16_t, load_bf16)
 KIVI_VALUES(vla_kivi_values_f32, float, load_f32)
 KIVI_DEQUANT(vla_kivi_dequant_bf16, uint16_t, store_bf16)
 KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
+
+/* Attention of bf16 q [heads, rows, dim] over k, v [kv_heads, keys, dim] with an fp32 bias [rows, keys] added to
+ * the scaled logits (NULL: none; -inf = masked), query head h on kv head h / (heads / kv_heads); out [heads, rows,
+ * dim]. Each array at its own strides (head, row; its last dim contiguous), so that out can be the [rows, heads *
+ * dim] input of the output projection. The products on AVX512-BF16's dot-product instruction (bf16 pairs, fp32
+ * sums), the softmax in fp32: logits = (q . k) * scale + bias; p = exp(logits - max) / sum, rounded to bf16 for
+ * p v, as torch's form (buffer_attention: two batched matmuls and a softmax) rounds it; out rounded once to bf16.
+ * torch's form also rounds the logits to bf16: this one is nearer the exact value. A row that may attend to nothing
+ * gets zeros, a NaN among a row's logits NaNs. dim: even, a multiple of 16. Returns 0; -1 when its workspace (per
+ * thread, grown to the largest call) cannot be allocated; -2 where the library was built without AVX512-BF16. No
+ * fp32 form (vla_attention_f32 returns -2): torch's runs. */
+#include <stdlib.h>
+#define ATTENTION_SIGNATURE(NAME, T)                                                                       \
+    int NAME(const T *q, int64_t q_head, int64_t q_row, const T *k, const T *v, int64_t kv_head, int64_t kv_row, \
+             const float *bias, int64_t bias_row, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,  \
+             int64_t dim, float scale, T *out, int64_t out_head, int64_t out_row)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VL 16        /* fp32 lanes of a vector */
+#define KEY_BLOCK 32 /* keys per logit step: two vectors */
+#define ROW_BLOCK 4  /* query rows sharing each load of K and V */
+
+static _Thread_local char *attention_workspace;
+static _Thread_local size_t attention_capacity;
+
+static char *attention_work(size_t bytes) {
+    if (bytes > attention_capacity) {
+        char *grown = realloc(attention_workspace, bytes);
+        if (!grown) return NULL;
+        attention_workspace = grown;
+        attention_capacity = bytes;
+    }
+    return attention_workspace;
+}
+
+/* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial; about 1 ulp); 0 below -87,
+ * for -inf and for NaN */
+static inline __m512 exp_nonpositive(__m512 x) {
+    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_maskz_mov_ps(kept, x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
+}
+
+/* One row's logits lr [kp] (keys..kp already -inf) -> p as bf16 into pr [kp]. */
+static inline void softmax_row(float *lr, uint16_t *pr, int64_t kp) {
+    __m512 peak = _mm512_loadu_ps(lr);
+    __mmask16 nan = _mm512_cmp_ps_mask(peak, peak, _CMP_UNORD_Q);
+    for (int64_t j = VL; j < kp; j += VL) {
+        __m512 x = _mm512_loadu_ps(lr + j);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        peak = _mm512_max_ps(peak, x);
+    }
+    const float top = _mm512_reduce_max_ps(peak);
+    if (nan || top == -INFINITY) {
+        const uint16_t fill = nan ? 0x7fc0 : 0; /* bf16 NaN, or zeros: nothing to attend */
+        for (int64_t j = 0; j < kp; j++) pr[j] = fill;
+        return;
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kp; j += VL) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(lr + j), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(lr + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < kp; j += 2 * VL) /* rounded to nearest even: torch's .to(bfloat16) */
+        _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(lr + j + VL), inverse),
+                                                                  _mm512_mul_ps(_mm512_loadu_ps(lr + j), inverse)));
+}
+
+ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
+    const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2, group = heads / kv_heads;
+    char *work = attention_work((size_t)(pairs * kp * 4 + kp / 2 * dim * 4 + ROW_BLOCK * (kp * 6 + pairs * 4)));
+    if (!work) return -1;
+    uint32_t *kt = (uint32_t *)work;                 /* [pairs, kp]: K's (d, d+1) pairs, key-major per pair */
+    uint32_t *vp = kt + pairs * kp;                  /* [kp / 2, dim]: V's rows 2i and 2i+1 interleaved */
+    float *logits = (float *)(vp + kp / 2 * dim);    /* [ROW_BLOCK, kp] */
+    uint16_t *p = (uint16_t *)(logits + ROW_BLOCK * kp); /* [ROW_BLOCK, kp] bf16 */
+    uint32_t *qs = (uint32_t *)(p + ROW_BLOCK * kp); /* [ROW_BLOCK, pairs] */
+    for (int64_t hk = 0; hk < kv_heads; hk++) {
+        const uint16_t *kh = k + hk * kv_head, *vh = v + hk * kv_head;
+        for (int64_t j = 0; j < kp; j++) {
+            const uint16_t *kj = kh + j * kv_row;
+            for (int64_t c = 0; c < pairs; c++) {
+                uint32_t pair = 0;
+                if (j < keys) memcpy(&pair, kj + 2 * c, 4);
+                kt[c * kp + j] = pair;
+            }
+        }
+        for (int64_t i = 0; i < kp / 2; i++) {
+            const uint16_t *a = vh + 2 * i * kv_row, *b = a + kv_row;
+            for (int64_t d = 0; d < dim; d++)
+                vp[i * dim + d] = (2 * i < keys ? a[d] : 0u) | (uint32_t)(2 * i + 1 < keys ? b[d] : 0u) << 16;
+        }
+        const int64_t n = group * rows; /* this kv head's query rows, (head, row) pairs in order */
+        for (int64_t i0 = 0; i0 < n; i0 += ROW_BLOCK) {
+            const int64_t block = n - i0 < ROW_BLOCK ? n - i0 : ROW_BLOCK;
+            for (int64_t r = 0; r < ROW_BLOCK; r++) { /* rows past the block repeat its first (results dropped) */
+                const int64_t i = i0 + (r < block ? r : 0), h = hk * group + i / rows, t = i % rows;
+                memcpy(qs + r * pairs, q + h * q_head + t * q_row, (size_t)dim * 2);
+            }
+            for (int64_t jb = 0; jb < kp; jb += KEY_BLOCK) {
+                __m512 acc[ROW_BLOCK][2];
+                for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; c++) {
+                    __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + c * kp + jb);
+                    __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + c * kp + jb + VL);
+                    for (int r = 0; r < ROW_BLOCK; r++) {
+                        __m512bh qc = (__m512bh)_mm512_set1_epi32((int)qs[r * pairs + c]);
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qc, k0);
+                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qc, k1);
+                    }
+                }
+                for (int r = 0; r < ROW_BLOCK; r++) {
+                    _mm512_storeu_ps(logits + r * kp + jb, _mm512_mul_ps(acc[r][0], _mm512_set1_ps(scale)));
+                    _mm512_storeu_ps(logits + r * kp + jb + VL, _mm512_mul_ps(acc[r][1], _mm512_set1_ps(scale)));
+                }
+            }
+            for (int64_t r = 0; r < ROW_BLOCK; r++) {
+                float *lr = logits + r * kp;
+                if (r >= block) {
+                    memset(p + r * kp, 0, (size_t)kp * 2);
+                    continue;
+                }
+                if (bias) {
+                    const float *br = bias + (i0 + r) % rows * bias_row;
+                    for (int64_t j = 0; j < keys; j++) lr[j] += br[j];
+                }
+                for (int64_t j = keys; j < kp; j++) lr[j] = -INFINITY;
+                softmax_row(lr, p + r * kp, kp);
+            }
+            for (int64_t c = 0; c < dim; c += VL) { /* out = p v, VL columns a step */
+                __m512 acc[ROW_BLOCK];
+                for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < kp / 2; i++) {
+                    __m512bh vi = (__m512bh)_mm512_loadu_si512(vp + i * dim + c);
+                    for (int r = 0; r < ROW_BLOCK; r++) {
+                        uint32_t pair;
+                        memcpy(&pair, p + r * kp + 2 * i, 4);
+                        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), vi);
+                    }
+                }
+                for (int64_t r = 0; r < block; r++) {
+                    const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
+                    _mm256_storeu_si256((__m256i *)(out + h * out_head + t * out_row + c),
+                                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else
+ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
+    return -2;
+}
+#endif
+
+ATTENTION_SIGNATURE(vla_attention_f32, float) {
+    return -2;
+}

@@ -16,7 +16,7 @@ Three ways, equal up to float rounding over the same (dequantized) values:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,10 @@ class Segment(NamedTuple):
     v: torch.Tensor  # [n_kv_heads, L, head_dim]
     mask: torch.Tensor | None = None  # bool [q_len, L] or [L]
     bias: torch.Tensor | None = None  # float [q_len, L] or [L]
+
+
+# q [H, T, D], k and v [KV, L, D], bias fp32 [T, L] or None -> out [H, T, D], or None where it does not apply
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]
 
 
 def _as_segment(seg: Sequence) -> Segment:
@@ -137,15 +141,16 @@ def segmented_attention(q: torch.Tensor, segments: Sequence[Sequence]) -> tuple[
 
 class GatherWorkspace:
     """Preallocated buffers for gather_attention: room for K/V of up to max_tokens keys (`views`) and an fp32 logit
-    bias [max_q_len, max_tokens] (-inf where a row may not attend); `fused`: buffer_attention's kernel."""
+    bias [max_q_len, max_tokens] (-inf where a row may not attend); `fused` and `kernel`: buffer_attention's."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_tokens: int, max_q_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fused: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", fused: bool = False,
+                 kernel: AttentionKernel | None = None) -> None:
         self.k = torch.zeros(n_kv_heads * max_tokens * head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.logit_bias = torch.zeros(max_q_len, max_tokens, dtype=torch.float32, device=device)
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.max_tokens, self.max_q_len, self.fused = max_tokens, max_q_len, fused
+        self.max_tokens, self.max_q_len, self.fused, self.kernel = max_tokens, max_q_len, fused, kernel
 
     def views(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `tokens` keys, each [n_kv_heads, tokens, head_dim] and contiguous (the buffers' first elements):
@@ -191,7 +196,7 @@ def gather_attention(
         offset = end
     # a non-empty segment without a mask or a bias (a bias may hold -inf) is seen by every row: no row is empty
     may_be_empty = not any(seg.mask is None and seg.bias is None and seg.k.shape[1] > 0 for seg in segs)
-    return buffer_attention(q, k, v, bias, check_empty=may_be_empty, fused=ws.fused)
+    return buffer_attention(q, k, v, bias, check_empty=may_be_empty, fused=ws.fused, kernel=ws.kernel)
 
 
 def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -207,7 +212,8 @@ def fill_bias(out: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor |
 
 
 def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                     check_empty: bool = True, fused: bool = False) -> torch.Tensor:
+                     check_empty: bool = True, fused: bool = False,
+                     kernel: AttentionKernel | None = None) -> torch.Tensor:
     """Attention of q [n_heads, q_len, D] over one K/V buffer k, v [n_kv_heads, L, D] with an additive fp32
     bias [q_len, L] (0 = attend, log(count) for merged tokens, -inf = masked; None = every row attends to every
     key, unbiased). A row that may attend to nothing yields zeros (check_empty=False: the caller knows every row
@@ -217,7 +223,13 @@ def buffer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     Two batched matmuls and one softmax, the kv heads never repeated: on a CPU without AMX this is about twice as
     fast as torch's SDPA with a mask, and than a log-sum-exp merge over several segments. `fused`: torch's SDPA
     instead (its flash kernel, fp32 logits; grouped heads as enable_gqa maps them, the same as here): on a CPU with
-    AMX it runs its products on the tile unit (fused_attention_pays), 1.2-2.4x faster at the node's shapes."""
+    AMX it runs its products on the tile unit (fused_attention_pays), 1.2-2.4x faster at the node's shapes.
+    `kernel` (instead of the matmuls where it applies; None where it does not): a fused attention with this
+    function's contract, its output possibly a view (backends/cpu_kernels.attention: AVX512-BF16, fp32 logits)."""
+    if kernel is not None:
+        out = kernel(q, k, v, bias)
+        if out is not None:
+            return out
     hq, tq, d = q.shape
     hkv, length = k.shape[0], k.shape[1]
     if fused:

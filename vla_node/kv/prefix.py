@@ -16,7 +16,8 @@ A block of n < N tokens attends over every slot, those past it masked (-inf): a 
 the whole buffer's stride between kv heads, and torch's batched matmul copies such an operand before multiplying
 (`small`'s tick, bf16 on a Zen 5 EPYC, alternating in one process: 0.95-0.96x the sliced form's time, the same
 logits).
-`fused`: buffer_attention's kernel (torch's SDPA; where it pays, see runtime/policy.fused_attention_pays).
+`fused`, `kernel`: buffer_attention's (torch's SDPA where it pays, see runtime/policy.fused_attention_pays; a fused
+CPU kernel, backends/cpu_kernels.attention).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from vla_node.kv.attention import Segment, buffer_attention, fill_bias
+from vla_node.kv.attention import AttentionKernel, Segment, buffer_attention, fill_bias
 from vla_node.kv.partition import KVPartition
 
 
 class PrefixBuffer:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, prefix_tokens: int, state_slots: int,
                  block_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 fused: bool = False) -> None:
+                 fused: bool = False, kernel: AttentionKernel | None = None) -> None:
         self.prefix_tokens, self.state_slots, self.block_tokens = prefix_tokens, state_slots, block_tokens
-        self.fused = fused
+        self.fused, self.kernel = fused, kernel
         total = prefix_tokens + state_slots + block_tokens
         self.k = torch.zeros(n_layers, n_kv_heads, total, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -116,4 +117,4 @@ class PrefixBuffer:
         self.k[layer, :, p + s : p + s + n].copy_(k)
         self.v[layer, :, p + s : p + s + n].copy_(v)
         return buffer_attention(q, self.k[layer], self.v[layer], self.bias[:n], check_empty=self._may_be_empty,
-                                fused=self.fused)  # every slot, those past the block masked
+                                fused=self.fused, kernel=self.kernel)  # every slot, those past the block masked

@@ -125,6 +125,9 @@ class MultiRatePolicy:
         self.cache_config = cache
         c = self.config = model.config
         self.fused_attention = fused_attention_pays(dtype, self.device)
+        # the decoder's attention over the gathered keys and the tick's prefix: the fused CPU kernel where it runs
+        # (bf16, AVX512-BF16) and SDPA does not pay; the tower keeps its matmuls (the kernel is no faster there)
+        kernel = cpu_kernels.attention_kernel() if self.device.type == "cpu" and not self.fused_attention else None
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
@@ -155,7 +158,7 @@ class MultiRatePolicy:
             total = c.max_text_tokens + sum(p.capacity for p in self.vision.partitions) + c.state_slots + 1
             total += c.action_tokens
             longest_block = max(c.tokens_per_frame, c.max_text_tokens, 1 + c.action_tokens, c.state_slots)
-            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev, self.fused_attention)
+            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev, self.fused_attention, kernel)
         self.text_ids: list[int] = []
         self.instruction: str | None = None
         self.frame_count = 0
@@ -166,7 +169,7 @@ class MultiRatePolicy:
         if cache.tick_prefix and not self._track_importance:
             prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
             self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype,
-                                        dev, self.fused_attention)
+                                        dev, self.fused_attention, kernel)
         # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
         # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
         # _refresh_states recomputes them right after the commit.
