@@ -134,7 +134,8 @@ def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_wit
             logits.append(policy.action_tick(state).logits)
         return policy, np.stack(logits)
 
-    reference = run(torch.float32)[1]
+    fp32_policy, reference = run(torch.float32)
+    assert fp32_policy._prefix.kernel is None  # fp32: torch's form, the kernel not even asked
     policy, with_kernel = run(torch.bfloat16)
     assert policy._prefix.kernel is cpu_kernels.attention
     monkeypatch.setattr(cpu_kernels, "attention_kernel", lambda: None)

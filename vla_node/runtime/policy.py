@@ -127,7 +127,8 @@ class MultiRatePolicy:
         self.fused_attention = fused_attention_pays(dtype, self.device)
         # the decoder's attention over the gathered keys and the tick's prefix: the fused CPU kernel where it runs
         # (bf16, AVX512-BF16) and SDPA does not pay; the tower keeps its matmuls (the kernel is no faster there)
-        kernel = cpu_kernels.attention_kernel() if self.device.type == "cpu" and not self.fused_attention else None
+        cpu_bf16 = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.fused_attention
+        kernel = cpu_kernels.attention_kernel() if cpu_bf16 else None
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
