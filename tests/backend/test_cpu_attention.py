@@ -1,6 +1,7 @@
 """The fused bf16 attention kernel (backends/cpu_kernels.c, AVX512-BF16): against fp64 attention as near as torch's
-form (kv/attention.buffer_attention's matmuls) at the node's shapes, the edge rows as torch's form gives them,
-its output laid out for the output projection, torch's form wherever it does not apply, and the policies using it."""
+form (kv/attention.buffer_attention's matmuls, the tower's softmax_attention) at the node's shapes, the edge rows as
+torch's form gives them, its output laid out for the output projection, torch's form wherever it does not apply, and
+the policies using it."""
 
 import numpy as np
 import pytest
@@ -87,6 +88,17 @@ def test_a_nan_among_a_rows_logits_makes_that_row_nan_as_torchs_softmax_does():
 
 
 @needs_attention
+def test_a_small_bf16_policy_gives_the_kernel_its_decoder_and_tower_attention():
+    from vla_node.model.config import preset
+    from vla_node.model.vla import build_vla
+    from vla_node.runtime.policy import MultiRatePolicy
+
+    policy = MultiRatePolicy(build_vla(preset("small"), seed=0), dtype=torch.bfloat16)
+    assert policy._prefix.kernel is policy._workspace.kernel is cpu_kernels.attention
+    assert policy.tower_cache.attention is cpu_kernels.unmasked_attention
+
+
+@needs_attention
 def test_where_the_kernel_does_not_apply_it_declines_and_torchs_form_runs():
     q, k, v, bias = _inputs(4, 2, 3, 40, 16)
     with torch.inference_mode():
@@ -103,6 +115,24 @@ def test_where_the_kernel_does_not_apply_it_declines_and_torchs_form_runs():
         assert cpu_kernels.attention(q, k, v, bias) is None
 
 
+@needs_attention
+def test_the_towers_unmasked_attention_runs_the_kernel_on_its_views_and_softmax_attention_elsewhere():
+    """q a view of the tower's permuted q|k|v heads ([n, 3, H, hd] -> [3, H, n, hd]) over the staged k, v: the
+    kernel; 4-D (a batch of cameras) or fp32: softmax_attention, its bits."""
+    from vla_node.model.vision import softmax_attention
+
+    heads = torch.randn(70, 3, 6, 64).bfloat16().permute(1, 2, 0, 3)  # [3, H, n, hd]
+    staged = torch.randn(3, 6, 196, 64).bfloat16()
+    with torch.inference_mode():
+        got = cpu_kernels.unmasked_attention(heads[0], staged[1], staged[2])
+        assert torch.equal(got, cpu_kernels.attention(heads[0], staged[1], staged[2], None))
+        want = dense_attention(heads[0].double(), staged[1].double(), staged[2].double())
+        assert _error(got, want) <= min(1.1 * _error(softmax_attention(heads[0], staged[1], staged[2]), want), 2 ** -8)
+        for q, k, v in ((heads[0][None], staged[1][None], staged[2][None]),
+                        (heads[0].float(), staged[1].float(), staged[2].float())):
+            assert torch.equal(cpu_kernels.unmasked_attention(q, k, v), softmax_attention(q, k, v))
+
+
 def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_loads(tmp_path):
     """The portable build (no AVX512-BF16): the attention entry point returns -2, the caller runs torch's form."""
     if cpu_kernels.compiler() is None:
@@ -114,9 +144,11 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 @needs_attention
 def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_without_it(monkeypatch):
-    """MultiRatePolicy at bf16 (tiny: head_dim 16) over three frames with a tick each, its tick prefix and gathered
-    frame attention on the kernel, then on torch's form: logits as near the fp32 policy's either way."""
+    """MultiRatePolicy at bf16 (tiny: head_dim 16, the tower's 8: its attention stays torch's) over three frames with
+    a tick each, its tick prefix and gathered frame attention on the kernel, then on torch's form: logits as near the
+    fp32 policy's either way."""
     from vla_node.model.config import preset
+    from vla_node.model.vision import softmax_attention
     from vla_node.model.vla import build_vla
     from vla_node.runtime.policy import MultiRatePolicy
 
@@ -136,11 +168,14 @@ def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_wit
 
     fp32_policy, reference = run(torch.float32)
     assert fp32_policy._prefix.kernel is None  # fp32: torch's form, the kernel not even asked
+    assert fp32_policy.tower_cache.attention is softmax_attention
     policy, with_kernel = run(torch.bfloat16)
-    assert policy._prefix.kernel is cpu_kernels.attention
+    assert policy._prefix.kernel is policy._workspace.kernel is cpu_kernels.attention
+    assert policy.tower_cache.attention is softmax_attention  # tiny's tower heads: 8 wide, not the kernel's
     monkeypatch.setattr(cpu_kernels, "attention_kernel", lambda: None)
     policy, with_torch = run(torch.bfloat16)
-    assert policy._prefix.kernel is None
+    assert policy._prefix.kernel is policy._workspace.kernel is None
+    assert policy.tower_cache.attention is softmax_attention
 
     def error(logits):
         return float(np.linalg.norm(logits - reference) / np.linalg.norm(reference))

@@ -10,9 +10,9 @@ The INT8 vision partition's KIVI passes (kv/quant.py) are a third place: a frame
 tick's bf16 prefix buffer about 0.5 ms (through fp32 staging); KernelKivi does each in one pass over K and V,
 about 0.6 and 0.2 ms (a warm reuse frame about 4% faster, the same bits). The decoder's attention is a fourth
 (kv/attention.buffer_attention: two batched matmuls, the logits converted, scaled, biased, a softmax, converted back,
-its output transposed for the output projection): on a CPU with AVX512-BF16 `attention` does it in one call, its
-products on the bf16 dot-product instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: a
-tick 6.57 -> 6.15 ms, a reuse frame of a real clip 29.78 -> 28.25 ms).
+its output transposed for the output projection), and the tower's is a fifth (model/vision.softmax_attention, the
+same unmasked): on a CPU with AVX512-BF16 `attention` does either in one call, its products on the bf16 dot-product
+instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`).
 
 The C source is built at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3
 -march=native) into a cache directory (`$VLA_NODE_KERNEL_DIR`, else `$XDG_CACHE_HOME/vla-node/kernels` or
@@ -49,6 +49,7 @@ import torch
 from vla_node.backends import cpu_features
 from vla_node.kv import quant
 from vla_node.model.decoder import RMSNorm
+from vla_node.model.vision import softmax_attention
 
 log = logging.getLogger(__name__)
 
@@ -304,17 +305,22 @@ def attention_kernel() -> Callable | None:
     return attention if _attention(lib, probe, probe, probe, None) is not None else None
 
 
+def attention_fits(head_dim: int) -> bool:
+    """Whether `attention` takes heads of this size (the kernel steps over head_dim 16 at a time)."""
+    return head_dim % 16 == 0
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """kv/attention.buffer_attention by the fused kernel (cpu_kernels.c) where it applies: bf16 q, k and v on the
     CPU, their last dims contiguous (k's strides v's), head_dim a multiple of 16, bias None or fp32 [T, L] with a
     contiguous last dim, inference. Returns out [H, T, D] (bf16, a view of [T, H, D] storage), or None where it does
-    not apply and the caller runs torch's form. One thread, `small`'s tick (17 rows of 8 heads over 272 keys) on an
-    AVX512-BF16 EPYC (Zen 5): 62 us against torch's 112 us; a frame's 80 rows over 244 keys 234 against 304 us; the
-    tower's 196 rows over 196 keys (6 heads, no grouping) 362 against 344 us, so the tower keeps torch's."""
+    not apply and the caller runs torch's form. One thread on an AVX512-BF16 EPYC (Zen 5), us against torch's form:
+    `small`'s tick (17 rows of 8 heads over 272 keys) 42 against 97; a reuse frame's 80 rows over 244 keys 149
+    against 258; the tower's 70 rows over 196 tokens (6 heads, no grouping) 95 against 139, all 196 241 against 322."""
     lib = library()
     heads, rows, dim = q.shape
     if (lib is None or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or q.device.type != "cpu"
-            or k.device.type != "cpu" or v.device.type != "cpu" or dim % 16 or k.dim() != 3
+            or k.device.type != "cpu" or v.device.type != "cpu" or not attention_fits(dim) or k.dim() != 3
             or k.shape != v.shape or k.shape[2] != dim or k.stride() != v.stride() or 0 in k.shape[:2]
             or heads % k.shape[0]
             or q.stride(2) != 1 or k.stride(2) != 1
@@ -323,6 +329,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
             or not _eager()):
         return None
     return _attention(lib, q, k, v, bias)
+
+
+def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """model/vision.softmax_attention (q [H, Tq, hd] over k, v [H, T, hd], unmasked) by `attention` where it applies,
+    else softmax_attention: the tower's attention (runtime/vision_cache.VisionTokenCache's `attention`)."""
+    out = attention(q, k, v, None) if q.dim() == 3 else None
+    return softmax_attention(q, k, v) if out is None else out
 
 
 def _eager() -> bool:

@@ -125,10 +125,12 @@ class MultiRatePolicy:
         self.cache_config = cache
         c = self.config = model.config
         self.fused_attention = fused_attention_pays(dtype, self.device)
-        # the decoder's attention over the gathered keys and the tick's prefix: the fused CPU kernel where it runs
-        # (bf16, AVX512-BF16) and SDPA does not pay; the tower keeps its matmuls (the kernel is no faster there)
+        # the decoder's attention over the gathered keys and the tick's prefix, and the tower's: the fused CPU kernel
+        # where it runs (bf16, AVX512-BF16) and SDPA does not pay
         cpu_bf16 = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.fused_attention
         kernel = cpu_kernels.attention_kernel() if cpu_bf16 else None
+        tower_kernel = kernel is not None and cpu_kernels.attention_fits(c.vision_width // c.vision_heads)
+        kernel = kernel if cpu_kernels.attention_fits(c.head_dim) else None
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
@@ -184,7 +186,8 @@ class MultiRatePolicy:
                                             drift_threshold=reuse.tower_drift_threshold,
                                             layer_budget=reuse.layer_budget,
                                             shared_drift_samples=reuse.shared_drift_samples,
-                                            attention=fused_attention if self.fused_attention else softmax_attention)
+                                            attention=fused_attention if self.fused_attention
+                                            else cpu_kernels.unmasked_attention if tower_kernel else softmax_attention)
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
         self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
                                               c.tokens_per_frame, dtype,
