@@ -89,16 +89,17 @@ def _weight_bytes(config: NodeConfig) -> int:
 
 def path_name(config: NodeConfig) -> str:
     """The path that ran: compute dtype and linear-weight format, the attention on torch's SDPA where the CPU's AMX
-    makes it pay (policy.fused_attention_pays), else in bf16 the decoder's on the fused CPU kernel where it runs
-    (cpu_kernels.attention), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets: 16 rows with AMX,
-    else 8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that it did)."""
+    makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
+    where it runs (cpu_kernels.attention), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets:
+    16 rows with AMX, else 8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
+    it did)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
     if fused_attention_pays(dtype, torch.device(s.device)):
         parts.append("SDPA attention")
     elif dtype == torch.bfloat16 and torch.device(s.device).type == "cpu" and cpu_kernels.attention_kernel():
-        parts.append("decoder attention on the AVX512-BF16 kernel")
+        parts.append("attention on the AVX512-BF16 kernel")
     if s.weight_format == "packed":
         parts.append(f"rows padded to {bucket_step()}")
     if s.resolved_compiled_tick:
