@@ -322,8 +322,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     if (lib is None or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or q.device.type != "cpu"
             or k.device.type != "cpu" or v.device.type != "cpu" or not attention_fits(dim) or k.dim() != 3
             or k.shape != v.shape or k.shape[2] != dim or k.stride() != v.stride() or 0 in k.shape[:2]
-            or heads % k.shape[0]
-            or q.stride(2) != 1 or k.stride(2) != 1
+            or heads % k.shape[0] or q.stride(2) != 1 or k.stride(2) != 1
             or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"
                                       or tuple(bias.shape) != (rows, k.shape[1]) or bias.stride(1) != 1))
             or not _eager()):

@@ -129,8 +129,8 @@ class MultiRatePolicy:
         # where it runs (bf16, AVX512-BF16) and SDPA does not pay
         cpu_bf16 = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.fused_attention
         kernel = cpu_kernels.attention_kernel() if cpu_bf16 else None
+        decoder_kernel = kernel if cpu_kernels.attention_fits(c.head_dim) else None
         tower_kernel = kernel is not None and cpu_kernels.attention_fits(c.vision_width // c.vision_heads)
-        kernel = kernel if cpu_kernels.attention_fits(c.head_dim) else None
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
@@ -161,7 +161,8 @@ class MultiRatePolicy:
             total = c.max_text_tokens + sum(p.capacity for p in self.vision.partitions) + c.state_slots + 1
             total += c.action_tokens
             longest_block = max(c.tokens_per_frame, c.max_text_tokens, 1 + c.action_tokens, c.state_slots)
-            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev, self.fused_attention, kernel)
+            self._workspace = GatherWorkspace(KV, hd, total, longest_block, dtype, dev, self.fused_attention,
+                                              decoder_kernel)
         self.text_ids: list[int] = []
         self.instruction: str | None = None
         self.frame_count = 0
@@ -172,7 +173,7 @@ class MultiRatePolicy:
         if cache.tick_prefix and not self._track_importance:
             prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
             self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype,
-                                        dev, self.fused_attention, kernel)
+                                        dev, self.fused_attention, decoder_kernel)
         # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
         # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
         # _refresh_states recomputes them right after the commit.
