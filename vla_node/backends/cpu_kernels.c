@@ -1,5 +1,5 @@
 /* Fused CPU kernels for vla_node/backends/cpu_kernels.py: elementwise work that eager PyTorch runs as several
- * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization, the decoder's attention).
+ * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization, attention).
  * Plain C, vectorized by the compiler for the machine it is built on (-O3 -march=native); -ffp-contract=off keeps
  * every multiply and add rounded on its own, as torch's ops round them (the attention alone uses AVX-512 intrinsics
  * and fused multiply-adds: it does not promise torch's bits). bf16 values travel as their 16 bits; a bf16 -> fp32
@@ -288,7 +288,7 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
 #define KEY_BLOCK 32 /* keys per logit step: two vectors */
-#define ROW_BLOCK 12 /* query rows sharing each load of K and V (24 logit accumulators: 4 and 8 ran slower, 16 spilled) */
+#define ROW_BLOCK 12 /* query rows sharing each load of K and V (24 logit accumulators; 4, 8 and 16 ran slower) */
 
 static _Thread_local char *attention_workspace;
 static _Thread_local size_t attention_capacity;

@@ -37,7 +37,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import load_model
 from vla_node.backends.packed_weights import bucket_step
 from vla_node.bench.floor import measure_floor
@@ -49,7 +48,7 @@ from vla_node.model.action_head import ActionChunk
 from vla_node.node.policies import build_policies, engine_set
 from vla_node.progress import Progress
 from vla_node.runtime.engine_policy import EnginePolicy
-from vla_node.runtime.policy import MultiRatePolicy, fused_attention_pays
+from vla_node.runtime.policy import MultiRatePolicy, attention_kernels, fused_attention_pays
 from vla_node.runtime.reference import ReferencePolicy
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -90,7 +89,7 @@ def _weight_bytes(config: NodeConfig) -> int:
 def path_name(config: NodeConfig) -> str:
     """The path that ran: compute dtype and linear-weight format, the attention on torch's SDPA where the CPU's AMX
     makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
-    where it runs (cpu_kernels.attention), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets:
+    where it runs (policy.attention_kernels), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets:
     16 rows with AMX, else 8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
     it did)."""
     s = config.model
@@ -98,7 +97,7 @@ def path_name(config: NodeConfig) -> str:
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
     if fused_attention_pays(dtype, torch.device(s.device)):
         parts.append("SDPA attention")
-    elif dtype == torch.bfloat16 and torch.device(s.device).type == "cpu" and cpu_kernels.attention_kernel():
+    elif any(attention_kernels(s.model_config(), dtype, torch.device(s.device))):
         parts.append("attention on the AVX512-BF16 kernel")
     if s.weight_format == "packed":
         parts.append(f"rows padded to {bucket_step()}")

@@ -33,12 +33,20 @@ from vla_node.backends import cpu_kernels
 from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
-from vla_node.kv.attention import GatherWorkspace, Segment, attention_mass, gather_attention, segmented_attention
+from vla_node.kv.attention import (
+    AttentionKernel,
+    GatherWorkspace,
+    Segment,
+    attention_mass,
+    gather_attention,
+    segmented_attention,
+)
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.kv.partition import KVPartition, PartitionSpec, resolve_device
 from vla_node.kv.prefix import PrefixBuffer
 from vla_node.kv.vision_memory import VisionMemory
 from vla_node.model.action_head import ActionBins, ActionChunk, check_state
+from vla_node.model.config import ModelConfig
 from vla_node.model.flow import ChunkGuide
 from vla_node.model.tokenizer import encode
 from vla_node.model.vision import fused_attention, softmax_attention
@@ -59,6 +67,17 @@ def fused_attention_pays(dtype: torch.dtype, device: torch.device) -> bool:
     2232 -> 937 us for a full frame's rows, 140 -> 116 us for a tick's). Without AMX the matmuls measured about
     twice as fast as SDPA (an AVX512-BF16 EPYC), and other devices keep the path their tests pinned."""
     return device.type == "cpu" and dtype == torch.bfloat16 and onednn_runs_amx()
+
+
+def attention_kernels(config: ModelConfig, dtype: torch.dtype,
+                      device: torch.device) -> tuple[AttentionKernel | None, bool]:
+    """The fused CPU attention (backends/cpu_kernels.attention) for the decoder's attention over the tick's prefix and
+    the frame's gathered keys (or None), and whether the tower's attention takes it too: bf16 on a CPU where the
+    kernel runs (AVX512-BF16) and SDPA does not pay, each for heads the kernel takes."""
+    on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and not fused_attention_pays(dtype, device)
+    kernel = cpu_kernels.attention_kernel() if on_cpu_bf16 else None
+    decoder = kernel if cpu_kernels.attention_fits(config.head_dim) else None
+    return decoder, kernel is not None and cpu_kernels.attention_fits(config.vision_width // config.vision_heads)
 
 
 def require_commit(commit: bool) -> None:
@@ -125,12 +144,7 @@ class MultiRatePolicy:
         self.cache_config = cache
         c = self.config = model.config
         self.fused_attention = fused_attention_pays(dtype, self.device)
-        # the decoder's attention over the gathered keys and the tick's prefix, and the tower's: the fused CPU kernel
-        # where it runs (bf16, AVX512-BF16) and SDPA does not pay
-        cpu_bf16 = self.device.type == "cpu" and dtype == torch.bfloat16 and not self.fused_attention
-        kernel = cpu_kernels.attention_kernel() if cpu_bf16 else None
-        decoder_kernel = kernel if cpu_kernels.attention_fits(c.head_dim) else None
-        tower_kernel = kernel is not None and cpu_kernels.attention_fits(c.vision_width // c.vision_heads)
+        decoder_kernel, tower_kernel = attention_kernels(c, dtype, self.device)
         self.bins = ActionBins(c)
         L, KV, hd = c.num_layers, c.num_kv_heads, c.head_dim
         # the window and frame size are the model's; the knobs bounded by them are clamped to them
