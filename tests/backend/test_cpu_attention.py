@@ -3,7 +3,6 @@ form (kv/attention.buffer_attention's matmuls, the tower's softmax_attention) at
 torch's form gives them, its output laid out for the output projection, torch's form wherever it does not apply, and
 the policies using it."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -147,24 +146,13 @@ def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_wit
     """MultiRatePolicy at bf16 (tiny: head_dim 16, the tower's 8: its attention stays torch's) over three frames with
     a tick each, its tick prefix and gathered frame attention on the kernel, then on torch's form: logits as near the
     fp32 policy's either way."""
+    from helpers.model_checks import logits_error, tiny_tick_logits
     from vla_node.model.config import preset
     from vla_node.model.vision import softmax_attention
     from vla_node.model.vla import build_vla
-    from vla_node.runtime.policy import MultiRatePolicy
-
-    config = preset("tiny")
-    rng = np.random.default_rng(4)
-    frames = rng.integers(0, 256, (3, 1, config.image_size, config.image_size, 3), dtype=np.uint8)
-    state = np.linspace(-1, 1, config.state_dim, dtype=np.float32)
 
     def run(dtype):
-        policy = MultiRatePolicy(build_vla(config, seed=2), dtype=dtype)
-        policy.update_text("keep lane")
-        logits = []
-        for frame in frames:
-            policy.update_vision(policy.prepare_frames(list(frame)), state=state)
-            logits.append(policy.action_tick(state).logits)
-        return policy, np.stack(logits)
+        return tiny_tick_logits(build_vla(preset("tiny"), seed=2), dtype)
 
     fp32_policy, reference = run(torch.float32)
     assert fp32_policy._prefix.kernel is None  # fp32: torch's form, the kernel not even asked
@@ -178,6 +166,6 @@ def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_wit
     assert policy.tower_cache.attention is softmax_attention
 
     def error(logits):
-        return float(np.linalg.norm(logits - reference) / np.linalg.norm(reference))
+        return logits_error(logits, reference)
 
     assert error(with_kernel) < 2e-2 and error(with_kernel) <= 1.5 * error(with_torch)

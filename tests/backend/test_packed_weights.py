@@ -24,6 +24,26 @@ needs_packed = pytest.mark.skipif(not packed_weights_available(),
                                          f"AMX, as ONEDNN_MAX_CPU_ISA allows); here: {cpu_features.describe()}")
 
 
+@pytest.fixture
+def onednn(monkeypatch):
+    """Weights packed from here on for oneDNN's primitive, as where cpu_kernels' linear does not run (AMX, more than
+    one thread, no AVX512-BF16): the row buckets and their warm-up are oneDNN's."""
+    from vla_node.backends import packed_weights
+
+    monkeypatch.setattr(packed_weights, "kernel_matmuls", lambda: False)
+
+
+@pytest.fixture(params=["oneDNN", "kernel"])
+def engine(request, monkeypatch):
+    """Each packed-weight test on oneDNN's primitive and, where it runs, on cpu_kernels' linear."""
+    from vla_node.backends import cpu_kernels, packed_weights
+
+    if request.param == "kernel" and not cpu_kernels.linear_kernel():
+        pytest.skip(f"cpu_kernels' linear does not run here ({cpu_kernels.status()}; {cpu_features.describe()})")
+    monkeypatch.setattr(packed_weights, "kernel_matmuls", lambda: request.param == "kernel")
+    return request.param
+
+
 def _linear(bias: bool, seed: int = 0) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(48, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
@@ -38,7 +58,7 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 @needs_packed
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(48,), (1, 48), (17, 48), (2, 3, 48)])
-def test_packed_linear_equals_f_linear_to_one_bf16_rounding(bias, shape):
+def test_packed_linear_equals_f_linear_to_one_bf16_rounding(bias, shape, engine):
     """oneDNN's inner product on the prepacked weight against F.linear's matmul primitive: the same sums in fp32,
     each rounded once to bf16. Two kernels (weight layouts, blockings) may add in another order, so a sum on the
     edge between two bf16 values may take the neighbouring one: one bf16 step of the largest magnitude."""
@@ -55,7 +75,7 @@ def test_packed_linear_equals_f_linear_to_one_bf16_rounding(bias, shape):
     ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
     ("silu", F.silu),
 ])
-def test_fused_activation_is_applied_before_the_bf16_rounding(activation, reference):
+def test_fused_activation_is_applied_before_the_bf16_rounding(activation, reference, engine):
     linear = _linear(True)
     x = torch.randn(64, 48).to(torch.bfloat16)
     expected = reference(F.linear(x.float(), linear.weight.float(), linear.bias.float()))  # fp32 all the way
@@ -66,7 +86,7 @@ def test_fused_activation_is_applied_before_the_bf16_rounding(activation, refere
 
 
 @needs_packed
-def test_times_fuses_the_product():
+def test_times_fuses_the_product(engine):
     linear, other = _linear(False), torch.randn(17, 40).to(torch.bfloat16)
     x = torch.randn(17, 48).to(torch.bfloat16)
     expected = F.linear(x.float(), linear.weight.float()) * other.float()
@@ -75,7 +95,7 @@ def test_times_fuses_the_product():
 
 
 @needs_packed
-def test_every_linear_is_packed_and_the_model_keeps_its_outputs_state_dict_and_copies():
+def test_every_linear_is_packed_and_the_model_keeps_its_outputs_state_dict_and_copies(engine):
     config = preset("tiny")
     plain = build_vla(config, seed=4).to(torch.bfloat16)
     packed = use_packed_weights(copy.deepcopy(plain))
@@ -95,7 +115,7 @@ def test_every_linear_is_packed_and_the_model_keeps_its_outputs_state_dict_and_c
 
 
 @needs_packed
-def test_the_cache_stays_exact_against_the_reference_on_the_packed_model():
+def test_the_cache_stays_exact_against_the_reference_on_the_packed_model(engine):
     """Incremental decoding on the packed model equals full recompute on the same packed model: the weights
     change the model, not the cache's exactness (all-fp32 partitions, bf16 compute on both sides)."""
     config = preset("tiny").replace(vision_frames=2)
@@ -166,7 +186,7 @@ def test_packed_weights_are_offered_exactly_where_onednn_runs_them():
 
 @needs_packed
 @pytest.mark.parametrize("rows", [1, 17, 196])
-def test_the_fused_qkv_projection_equals_the_three_projections_to_bf16_rounding(rows):
+def test_the_fused_qkv_projection_equals_the_three_projections_to_bf16_rounding(rows, engine):
     """One q|k|v matmul against three: the same sums, but oneDNN blocks the wider output otherwise and may add in
     another order (it does on an AMX Xeon at 196 rows), so a projection may land on the neighbouring bf16 value: v
     within one bf16 step of the largest magnitude; q and k carry that step through RoPE's three bf16 roundings
@@ -190,7 +210,7 @@ def test_the_fused_qkv_projection_equals_the_three_projections_to_bf16_rounding(
 
 @needs_packed
 @pytest.mark.parametrize("rows", [1, 17, 196])
-def test_the_towers_fused_qkv_projection_with_biases_equals_the_three_projections_to_bf16_rounding(rows):
+def test_the_towers_fused_qkv_projection_with_biases_equals_the_three_projections_to_bf16_rounding(rows, engine):
     """SigLIP's q|k|v (each with a bias) as one matmul: the same sums with the biases added, within one bf16 step of
     the largest magnitude (see above: another blocking may round a sum to the neighbouring value)."""
     model = use_packed_weights(build_vla(preset("small"), seed=2).to(torch.bfloat16))
@@ -214,7 +234,7 @@ def test_the_fused_qkv_takes_three_biases_or_none():
 
 
 @needs_packed
-def test_the_tower_cache_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding():
+def test_the_tower_cache_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding(engine):
     """VisionTokenCache takes a camera's q|k|v from the one matmul: a full refresh, then a partial one (the shared
     drift moving the reused tokens), against the same packed tower with the three projections; the outputs and
     the cached q|k|v within two bf16 steps of their largest magnitude per layer (one rounding's step carried
@@ -243,7 +263,7 @@ def test_the_tower_cache_with_the_fused_qkv_equals_the_three_projections_to_bf16
 
 
 @needs_packed
-def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding():
+def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf16_rounding(engine):
     """FrameTokenCache's full run takes every row's query from the one q|k|v matmul. Where that rounds a projection
     to the neighbouring bf16 value (see above), the step is carried through the decoder's bf16 layers: the logits,
     K/V and queries within two bf16 steps of their largest magnitude per layer (measured: a step on every element
@@ -267,7 +287,7 @@ def test_a_full_frame_pass_with_the_fused_qkv_equals_the_three_projections_to_bf
 
 @needs_packed
 @pytest.mark.parametrize("shape", [(48,), (5, 48), (16, 48), (2, 9, 48), (33, 48)])
-def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch, shape):
+def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch, shape, onednn):
     """Rows padded up to a bucket (as on an AMX CPU; forced here on any CPU that packs): each matmul, the fused
     MLPs and the q|k|v projection return exactly their rows' results, in the input's leading shape, against the same
     modules unbucketed (the same kernel family, so one bf16 step at most where oneDNN blocks the padded rows
@@ -299,7 +319,7 @@ def test_bucketed_rows_give_the_rows_results_and_reuse_their_scratch(monkeypatch
 
 
 @needs_packed
-def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once(monkeypatch):
+def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once(monkeypatch, onednn):
     """Each bucket up to max_rows, then each exact count between buckets (a count on a bucket needs no kernel of its
     own), declared on every matmul and run on one matmul per kernel key (a layer's matmuls share theirs with the same
     matmuls of the other layers); a second warm-up compiles the buckets again (cache hits) but no exact count
@@ -327,7 +347,7 @@ def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once(monkeypatch
 
 
 @needs_packed
-def test_warm_row_buckets_in_threads_runs_what_one_thread_runs(monkeypatch):
+def test_warm_row_buckets_in_threads_runs_what_one_thread_runs(monkeypatch, onednn):
     """workers > 1: the same row counts on the same kernel keys as one thread (in any order), every count declared.
     (That the stages then find those kernels, compiled for this thread's OpenMP thread count, is the oneDNN log's
     test below.)"""
@@ -368,7 +388,7 @@ def test_only_the_row_counts_declared_exact_run_unpadded_however_often_others_re
 
 
 @needs_packed
-def test_compile_kernels_declares_the_ticks_and_the_frames_row_counts_and_a_run_adds_none(monkeypatch):
+def test_compile_kernels_declares_the_ticks_and_the_frames_row_counts_and_a_run_adds_none(monkeypatch, onednn):
     """With rows padded to 16 (as on AMX; forced here on any CPU that packs), the policy's warm-up declares exact the
     counts its stages repeat, per module; a frame with its tick, a partial frame and a tick then leave every exact set
     as it was, and none of a tick's matmuls pads its rows."""
@@ -422,7 +442,8 @@ def test_rows_are_padded_to_a_tile_with_AMX_and_to_8_elsewhere(monkeypatch):
 
 @needs_packed
 @pytest.mark.parametrize("step, widths", [(16, (72, 88)), (8, (80, 96))])
-def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_tick(monkeypatch, capfd, step, widths):
+def test_after_compile_kernels_oneDNN_creates_no_packed_kernel_in_a_frame_or_a_tick(monkeypatch, capfd, step, widths,
+                                                                                    onednn):
     """oneDNN's own log of the primitives it creates (torch.backends.mkldnn.verbose): after the policy's warm-up, with
     rows padded to 16 (as on AMX) or 8 (elsewhere), a frame with its tick, partial frames of several sizes and a tick
     find every packed matmul's kernel in oneDNN's cache, although the warm-up ran each row count on one matmul per

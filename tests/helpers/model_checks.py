@@ -103,3 +103,23 @@ def run_reference(frames):
     other = policy.step([frames[0]], "stop now", state)
     assert not torch.equal(other.logits, chunks[0].logits)
     return chunks
+
+
+def tiny_tick_logits(model, dtype) -> tuple[MultiRatePolicy, np.ndarray]:
+    """`model` (tiny) in a MultiRatePolicy at `dtype` over three random frames with a tick each: the policy and the
+    ticks' logits [3, ...]; and the logits' relative error against a reference run is `logits_error`."""
+    config = model.config
+    rng = np.random.default_rng(4)
+    frames = rng.integers(0, 256, (3, 1, config.image_size, config.image_size, 3), dtype=np.uint8)
+    state = np.linspace(-1, 1, config.state_dim, dtype=np.float32)
+    policy = MultiRatePolicy(model, dtype=dtype)
+    policy.update_text("keep lane")
+    logits = []
+    for frame in frames:
+        policy.update_vision(policy.prepare_frames(list(frame)), state=state)
+        logits.append(policy.action_tick(state).logits)
+    return policy, np.stack(logits)
+
+
+def logits_error(logits: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.linalg.norm(logits - reference) / np.linalg.norm(reference))

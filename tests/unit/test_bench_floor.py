@@ -177,13 +177,16 @@ def test_measure_floor_is_json():
 
 def test_the_matrix_rate_takes_the_fastest_way_the_machine_multiplies():
     """In bf16 on a CPU whose oneDNN runs bf16 in hardware the prepacked matmul (the node's packed weights) is timed
-    beside F.linear, and both compute the same product; each shape names the way its time came from."""
+    beside F.linear, and where it is built the fused CPU kernels' linear too; all compute the same product; each
+    shape names the way its time came from."""
+    from vla_node.backends import cpu_kernels
     from vla_node.backends.packed_weights import packed_weights_available
     from vla_node.bench.floor import _matmuls
 
     x, w = torch.randn(20, 64).bfloat16(), torch.randn(48, 64).bfloat16()
     ways = _matmuls(x, w)
-    assert set(ways) == ({"F.linear", "prepacked"} if packed_weights_available() else {"F.linear"})
+    assert set(ways) == ({"F.linear"} | ({"prepacked"} if packed_weights_available() else set())
+                         | ({"cpu_kernels.linear"} if cpu_kernels.linear_kernel() else set()))
     with torch.inference_mode():
         for fn in ways.values():
             torch.testing.assert_close(fn().float(), F.linear(x, w).float(), rtol=2 ** -7, atol=1e-2)

@@ -1,5 +1,6 @@
 /* Fused CPU kernels for vla_node/backends/cpu_kernels.py: elementwise work that eager PyTorch runs as several
- * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization, attention).
+ * passes over memory, done in one (RMSNorm, the shared-drift move, KIVI int8 quantization, attention), and the bf16
+ * linear layer's matmul for the CPUs whose oneDNN multiplies bf16 on AVX512-BF16 rather than AMX.
  * Plain C, vectorized by the compiler for the machine it is built on (-O3 -march=native); -ffp-contract=off keeps
  * every multiply and add rounded on its own, as torch's ops round them (the attention alone uses AVX-512 intrinsics
  * and fused multiply-adds: it does not promise torch's bits). bf16 values travel as their 16 bits; a bf16 -> fp32
@@ -284,7 +285,11 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
     int NAME(const T *q, int64_t q_head, int64_t q_row, const T *k, const T *v, int64_t kv_head, int64_t kv_row, \
              const float *bias, int64_t bias_row, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,  \
              int64_t dim, float scale, T *out, int64_t out_head, int64_t out_row)
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LINEAR_SIGNATURE(NAME, T)                                                                          \
+    int NAME(const T *x, int64_t m, int64_t ldx, const T *packed, int64_t n, int64_t k, const float *bias, int op, \
+             const T *other, int64_t ldo, T *y, int64_t ldy)
+#define PACK_LINEAR_SIGNATURE(NAME, T) int NAME(const T *w, int64_t n, int64_t k, T *packed)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
 #define KEY_BLOCK 32 /* keys per logit step: two vectors */
@@ -431,12 +436,146 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
     }
     return 0;
 }
+
+/* The bf16 linear: y [m, n] = op(x [m, k] W^T + bias), W packed by vla_pack_linear_bf16 into tiles of up to
+ * LINEAR_TILE columns, each tile [k / 2][cols][2] (a column's (k, k + 1) pair beside the next column's): the tile
+ * streams from memory once, in order, while up to LINEAR_ROWS rows of x share each load of it (27 accumulators of
+ * 16 fp32 sums: 9 rows x 48 columns), their pairs broadcast to the bf16 dot-product instruction. Sums are fp32,
+ * the bias and the op applied in fp32 and the result rounded once to bf16 (op: 0 none, 1 SiLU, 2 times other
+ * [m, n] bf16, 3 tanh-approximated GELU), as oneDNN's fused primitives do; the order of the k sums is this kernel's.
+ * Streamed from memory (a tick's 48 MB of weights do not stay in a 32 MB L3), the hardware prefetcher alone left the
+ * kernel waiting: a software prefetch keeps the next lines coming (module docstring's figures).
+ * x and other rows may be strided (ldx, ldo: elements), y's too (ldy). k is even; where n is not a multiple of 16
+ * the last tile's columns are padded with zeros when packed (the packed weight holds n rounded up to 16 columns)
+ * and its last vector is loaded and stored under a mask. */
+#define LINEAR_VECTORS 3                     /* 48 columns a tile */
+#define LINEAR_TILE (LINEAR_VECTORS * VL)
+#define LINEAR_ROWS 9                        /* 9 x 3 accumulators + 3 weight vectors + 1 broadcast: 31 registers */
+#define LINEAR_AHEAD 64                      /* pairs of k the weight stream is prefetched ahead (8 to 128 tried) */
+
+static inline __m512 sigmoid(__m512 s) { /* 1 / (1 + exp(-s)), by exp of the non-positive -|s| */
+    __m512 e = exp_nonpositive(_mm512_min_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), s)));
+    __mmask16 positive = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 numerator = _mm512_mask_mov_ps(e, positive, _mm512_set1_ps(1.0f));
+    return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline __m512 linear_op(__m512 s, int op, const uint16_t *other, __mmask16 lanes) {
+    if (op == 1) return _mm512_mul_ps(s, sigmoid(s));
+    if (op == 2) {
+        __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, other));
+        return _mm512_mul_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    }
+    if (op == 3) { /* 0.5 s (1 + tanh(u)), u = sqrt(2 / pi) (s + 0.044715 s^3); 1 + tanh(u) = 2 sigmoid(2u) */
+        __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_add_ps(s, _mm512_mul_ps(_mm512_set1_ps(0.044715f),
+                                                                _mm512_mul_ps(s, _mm512_mul_ps(s, s)))));
+        return _mm512_mul_ps(s, sigmoid(_mm512_add_ps(u, u)));
+    }
+    return s;
+}
+
+static inline __attribute__((always_inline)) void linear_block(
+        const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
+        const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, const char *ahead,
+        int64_t ahead_step, const int rows, const int vectors) {
+    __m512 acc[LINEAR_ROWS][LINEAR_VECTORS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        if (ahead)
+            for (int v = 0; v < vectors; v++) _mm_prefetch(ahead + p * ahead_step + 64 * v, _MM_HINT_T0);
+        __m512bh w[LINEAR_VECTORS];
+        for (int v = 0; v < vectors; v++) w[v] = (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < vectors; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) {
+            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff; /* the columns this vector holds */
+            __m512 s = bias ? _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(lanes, bias + v * VL)) : acc[r][v];
+            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
+            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+
+#define LINEAR_CASE(R, V)                                                                                      \
+    case R:                                                                                                    \
+        linear_block(x + r0 * ldx, ldx, tile, k, b, op, o, ldo, y + r0 * ldy + n0, ldy, tail, ahead, step, R, V); \
+        break;
+#define LINEAR_ROWS_SWITCH(V)                                                                                  \
+    switch (rows) {                                                                                            \
+        LINEAR_CASE(1, V) LINEAR_CASE(2, V) LINEAR_CASE(3, V) LINEAR_CASE(4, V) LINEAR_CASE(5, V)              \
+        LINEAR_CASE(6, V) LINEAR_CASE(7, V) LINEAR_CASE(8, V) LINEAR_CASE(9, V)                                \
+    }
+
+LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
+    if (k % 2 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
+    const int64_t blocks = (m + LINEAR_ROWS - 1) / LINEAR_ROWS; /* row blocks as even as they go: 17 -> 9 + 8 */
+    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
+        const int vectors = (int)((cols + VL - 1) / VL);
+        const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
+        const uint16_t *tile = packed + n0 * k;
+        const float *b = bias ? bias + n0 : NULL;
+        int64_t r0 = 0;
+        for (int64_t block = 0; block < blocks; block++) {
+            const int rows = (int)((m - r0) / (blocks - block));
+            const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
+            /* the weight stream prefetched LINEAR_AHEAD pairs ahead by the first block of rows (on into the next
+             * tile) and, while the second block rereads this tile from cache, the next tile's stream ahead of that */
+            const int64_t step = vectors * 64; /* bytes of the tile a pair takes */
+            const char *ahead = block == 0 ? (const char *)tile + LINEAR_AHEAD * step
+                              : block == 1 ? (const char *)(tile + cols * k) + LINEAR_AHEAD * step : NULL;
+            if (vectors == 3) {
+                LINEAR_ROWS_SWITCH(3)
+            } else if (vectors == 2) {
+                LINEAR_ROWS_SWITCH(2)
+            } else {
+                LINEAR_ROWS_SWITCH(1)
+            }
+            r0 += rows;
+        }
+    }
+    return 0;
+}
+
+PACK_LINEAR_SIGNATURE(vla_pack_linear_bf16, uint16_t) {
+    if (k % 2) return -1;
+    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE, padded = (cols + VL - 1) / VL * VL;
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int64_t c = 0; c < padded; c++) {
+                *packed++ = c < cols ? w[(n0 + c) * k + 2 * p] : 0;
+                *packed++ = c < cols ? w[(n0 + c) * k + 2 * p + 1] : 0;
+            }
+    }
+    return 0;
+}
 #else
 ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
+    return -2;
+}
+LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
+    return -2;
+}
+PACK_LINEAR_SIGNATURE(vla_pack_linear_bf16, uint16_t) {
     return -2;
 }
 #endif
 
 ATTENTION_SIGNATURE(vla_attention_f32, float) {
+    return -2;
+}
+
+LINEAR_SIGNATURE(vla_linear_f32, float) {
+    return -2;
+}
+
+PACK_LINEAR_SIGNATURE(vla_pack_linear_f32, float) {
     return -2;
 }

@@ -12,7 +12,9 @@ about 0.6 and 0.2 ms (a warm reuse frame about 4% faster, the same bits). The de
 (kv/attention.buffer_attention: two batched matmuls, the logits converted, scaled, biased, a softmax, converted back,
 its output transposed for the output projection), and the tower's is a fifth (model/vision.softmax_attention, the
 same unmasked): on a CPU with AVX512-BF16 `attention` does either in one call, its products on the bf16 dot-product
-instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`).
+instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`). The last is the
+linear layer's matmul itself, on the same instruction, where oneDNN has no AMX to run (`linear`; the packed weights
+take it: backends/packed_weights.kernel_matmuls).
 
 The C source is built at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3
 -march=native) into a cache directory (`$VLA_NODE_KERNEL_DIR`, else `$XDG_CACHE_HOME/vla-node/kernels` or
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from vla_node.backends import cpu_features
 from vla_node.kv import quant
@@ -64,7 +67,10 @@ _SIGNATURES = {
     "kivi_values": [_P, _I, _I, _P, _P, _P],
     "kivi_dequant": [_P, _P, _P, _I, _I, _I, _I, _P, _I],
     "attention": [_P, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I, _I],
+    "linear": [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, _P, _I],
+    "pack_linear": [_P, _I, _I, _P],
 }
+LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "gelu_tanh": 3}  # cpu_kernels.c's linear ops
 MAX_INNER = 4096  # cpu_kernels.c's MAX_INNER: the shared-drift move's values per token
 _status = "not loaded yet"
 
@@ -78,6 +84,8 @@ class Kernels(NamedTuple):
     kivi_values: dict[torch.dtype, Callable]
     kivi_dequant: dict[torch.dtype, Callable]  # by the output's dtype
     attention: dict[torch.dtype, Callable]  # returns 0, or -2 where not built for this CPU (bf16: AVX512-BF16)
+    linear: dict[torch.dtype, Callable]  # the same
+    pack_linear: dict[torch.dtype, Callable]
 
 
 def kernel_dir() -> Path:
@@ -197,6 +205,7 @@ def _self_check(lib: Kernels) -> None:
         with torch.no_grad():
             _check_kivi(lib, dtype, generator)
     _check_attention(lib, generator)
+    _check_linear(lib, generator)
 
 
 def _check_attention(lib: Kernels, generator: torch.Generator) -> None:
@@ -216,6 +225,24 @@ def _check_attention(lib: Kernels, generator: torch.Generator) -> None:
     error = ((got.double() - want).norm() / want.norm()).item()
     if error > 2 ** -7 or not torch.equal(got[:, 2], torch.zeros_like(got[:, 2])):
         raise RuntimeError(f"attention differs from fp64 attention by {error:.2e} (relative)")
+
+
+def _check_linear(lib: Kernels, generator: torch.Generator) -> None:
+    """The bf16 linear (where built) against fp64 for every op: 11 strided rows (two row blocks), 74 columns (a
+    whole tile of 48 and a part ending in 10 of a vector's 16), a bias; within bf16's rounding."""
+    x = torch.randn(11, 40, generator=generator).bfloat16()[:, :34]
+    weight, other = torch.randn(74, 34, generator=generator).bfloat16(), torch.randn(11, 74, generator=generator)
+    bias = torch.randn(74, generator=generator)
+    packed = _pack_linear(lib, weight)
+    if packed is None:
+        return  # not built for this CPU: oneDNN runs the packed matmuls (linear_kernel() is None)
+    product = x.double() @ weight.double().T + bias.double()
+    for op, want in (("none", product), ("silu", F.silu(product)), ("gelu_tanh", F.gelu(product, approximate="tanh")),
+                     ("mul", product * other.bfloat16().double())):
+        got = _linear(lib, x, packed, 74, bias, op, other.bfloat16() if op == "mul" else None)
+        error = ((got.double() - want).norm() / want.norm()).item()
+        if error > 2 ** -7:
+            raise RuntimeError(f"the linear kernel's {op} differs from fp64 by {error:.2e} (relative)")
 
 
 def _check_kivi(lib: Kernels, dtype: torch.dtype, generator: torch.Generator) -> None:
@@ -303,6 +330,82 @@ def attention_kernel() -> Callable | None:
         return None
     probe = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
     return attention if _attention(lib, probe, probe, probe, None) is not None else None
+
+
+def _pack_linear(lib: Kernels, weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] bf16 in the linear kernel's tiles (cpu_kernels.c: N rounded up to 16 columns), or None where
+    it is not built here."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the linear kernel takes weights [N, K] with K even (linear_fits), got {n} x {k}")
+    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+    done = lib.pack_linear[torch.bfloat16](weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+    return packed if done == 0 else None
+
+
+def _linear(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+            op: str, other: torch.Tensor | None) -> torch.Tensor:
+    """op(x [..., K] W^T + bias) [..., N] by the kernel: x bf16 with a contiguous last dim (rows strided as they
+    come), bias fp32 [N] or None, other (op 'mul') bf16 [..., N]."""
+    k = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # [..., K] -> [M, K]: a view where x's rows are evenly strided
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)  # [..., N], rows N apart
+    if other is not None:
+        other = other if other.dim() == 2 else other.reshape(m, out_features)  # [..., N] -> [M, N]
+        if other.stride(1) != 1:
+            other = other.contiguous()
+    lib.linear[torch.bfloat16](rows.data_ptr(), m, rows.stride(0), packed.data_ptr(), out_features, k,
+                               None if bias is None else bias.data_ptr(), LINEAR_OPS[op],
+                               None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
+                               y.data_ptr(), out_features)
+    return y
+
+
+@functools.cache
+def linear_kernel() -> bool:
+    """Whether the bf16 linear kernel runs here (the library built with AVX512-BF16): backends/packed_weights then
+    packs for it where oneDNN would not run AMX (see KernelMatmul there)."""
+    lib = library()
+    return lib is not None and _pack_linear(lib, torch.zeros(16, 2, dtype=torch.bfloat16)) is not None
+
+
+def linear_fits(weight: torch.Tensor) -> bool:
+    """Whether the linear kernel takes this weight: bf16 [N, K] with K even (it reads x's values in pairs)."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (linear_fits) in the linear kernel's tiles: a flat bf16 tensor."""
+    lib = library()
+    if lib is None or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"pack_linear takes a bf16 weight [N, K] where the kernels run ({status()}), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    packed = _pack_linear(lib, weight)
+    if packed is None:
+        raise ValueError(f"the linear kernel is not built for this CPU ({cpu_features.describe()})")
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, op: str = "none",
+           other: torch.Tensor | None = None) -> torch.Tensor:
+    """op(x W^T + bias) with W packed by pack_linear: x bf16 [..., K] on the CPU, bias fp32 [N] or None, op one of
+    LINEAR_OPS ('mul': times `other`, bf16 [..., N]); returns bf16 [..., N], every sum fp32 and rounded once.
+    One thread, us against oneDNN on its prepacked weight (AVX512-BF16 EPYC, Zen 5), weights in cache / just read
+    from memory: a tick's 17 rows x 512 -> 1536 61 / 104 against 73 / 166, 1536 -> 512 57 / 104 against 72 / 227,
+    512 -> 512 22 / 61 against 35 / 132; 80 rows 253 against 277; 196 rows 651 against 669."""
+    lib = library()
+    k = packed.numel() // (-(-out_features // 16) * 16)  # the packed weight's [N rounded up to 16, K]
+    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
+            or (op == "mul") != (other is not None) or op not in LINEAR_OPS
+            or (other is not None and (other.dtype != torch.bfloat16 or other.shape != (*x.shape[:-1], out_features)))):
+        raise ValueError(f"the linear kernel ({k} -> {out_features}, {op}) takes a bf16 CPU x [..., {k}]"
+                         f"{' and other [..., ' + str(out_features) + ']' if op == 'mul' else ''}, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}"
+                         f"{'' if other is None else f', other {other.dtype} {tuple(other.shape)}'}")
+    return _linear(lib, x, packed, out_features, bias, op, other)
 
 
 def attention_fits(head_dim: int) -> bool:

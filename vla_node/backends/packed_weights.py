@@ -1,4 +1,5 @@
-"""BF16 weights prepacked for oneDNN, with the MLP activations fused into their matmul: the CPU's bf16 engine.
+"""BF16 weights prepacked (for oneDNN, or the fused CPU kernels' linear), with the MLP activations fused into their
+matmul: the CPU's bf16 engine.
 
 `F.linear` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every call. At the action
 tick's 17 rows that reorder costs as much as the multiply (measured on an AVX512-BF16 EPYC, one thread: 103 us
@@ -32,6 +33,14 @@ each promotion compiled a kernel per matmul shape in the frame that ran it (200 
 policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against 45.1 ms, the median 36.6 against 36.0 ms). A padded
 row's result is dropped (rows are independent).
 
+Where the fused CPU kernels' bf16 linear runs (`kernel_matmuls`: built with AVX512-BF16, oneDNN not on AMX, one
+thread), each weight is packed for it instead (PackedMatmul) and none of the above applies: it compiles nothing per
+row count, so nothing is padded or warmed. oneDNN's kernel for a tick's 17 rows reached about 70% of its rate at 196
+rows, and about half of it with the weights coming from memory, as a tick's do (48 MB of decoder weights cycle
+through a 32 MB L3); the kernel keeps its rate at every row count and prefetches the weight stream. A Zen 5 EPYC,
+one thread, 8 layers of `small`'s tick matmuls in turn (their weights from memory): 2.16 ms against oneDNN's 3.46
+(17 rows), 1.16 against 2.25 (1 row), 8.26 against 9.71 (80 rows), 19.3 against 20.3 (196 rows).
+
 The plain weights stay in the modules as parameters, so a packed model still saves, loads and deep-copies as before;
 its dtype and device are fixed (bf16 on the CPU): convert before packing, not after.
 """
@@ -47,7 +56,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from vla_node.backends import cpu_features, fp16_weights
+from vla_node.backends import cpu_features, cpu_kernels, fp16_weights
 from vla_node.model.decoder import LlamaMLP
 from vla_node.model.vision import SiglipMLP
 
@@ -87,14 +96,24 @@ def bucket_step() -> int:
     return AMX_ROW_BUCKET if cpu_features.onednn_runs_amx() else ROW_BUCKET
 
 
-class RowBuckets:
-    """A packed matmul's input rows padded up to a multiple of bucket_step(), but for the row counts declared `exact`
-    at warm-up (module docstring), through a scratch buffer kept between calls (grown to the largest bucket seen; rows
-    past the input's are stale and their results dropped)."""
+def kernel_matmuls() -> bool:
+    """Whether a weight packed now runs on cpu_kernels' bf16 linear kernel rather than oneDNN: where the kernel is
+    built (AVX512-BF16), oneDNN would not run AMX (its tiles are the faster path there) and this process multiplies
+    on one thread, as the kernel does (the CPU launch file's `threads = 1`; with more, oneDNN's threaded primitive).
+    One thread on a Zen 5 EPYC, us, kernel against oneDNN: a tick's 17 rows x 512 -> 1536 61 against 73 with the
+    weight in cache, 104 against 166 just read from memory (1536 -> 512: 57 / 104 against 72 / 227); a frame's 80
+    and 196 rows 3 to 10% faster."""
+    return cpu_kernels.linear_kernel() and not cpu_features.onednn_runs_amx() and torch.get_num_threads() == 1
 
-    def __init__(self, width: int) -> None:
+
+class RowBuckets:
+    """A packed matmul's input rows padded up to a multiple of `step` (bucket_step() by default; 1 pads nothing),
+    but for the row counts declared `exact` at warm-up (module docstring), through a scratch buffer kept between
+    calls (grown to the largest bucket seen; rows past the input's are stale and their results dropped)."""
+
+    def __init__(self, width: int, step: int | None = None) -> None:
         self.width = width
-        self.step = bucket_step()
+        self.step = bucket_step() if step is None else step
         self._scratch = torch.zeros(0, width, dtype=torch.bfloat16)
         self.exact: set[int] = set()  # row counts that run unpadded (warm_row_buckets)
 
@@ -123,40 +142,68 @@ class RowBuckets:
         return y[:n].view(*x.shape[:-1], y.shape[-1])  # [bucket, out] -> [..., out]
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear (bf16, CPU) with its weight prepacked for oneDNN, and optionally a fused activation: 'gelu_tanh'
-    (y = gelu(x W^T + b), tanh approximation) or 'silu'. Any leading dims."""
+class PackedMatmul:
+    """rows -> op(rows W^T + b) on a weight [N, K] packed once for the matmul that runs here: cpu_kernels' bf16
+    linear where kernel_matmuls() says so when it is packed, else oneDNN's primitive on its prepacked layout (ops:
+    'none', 'silu', 'gelu_tanh', or 'mul' by `other`); `rows` are its input's row buckets (oneDNN's: the kernel
+    compiles nothing per row count, so it pads nothing)."""
 
-    _ACTIVATIONS = {"none": ("none", ""), "gelu_tanh": ("gelu", "tanh"), "silu": ("swish", "")}
+    _ONEDNN_OPS = {"none": ("none", ""), "gelu_tanh": ("gelu", "tanh"), "silu": ("swish", "")}
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, width = weight.shape
+        self.kernel = kernel_matmuls() and cpu_kernels.linear_fits(weight)
+        with torch.no_grad():
+            if self.kernel:
+                self.weight = cpu_kernels.pack_linear(weight.detach())
+                self.bias = None if bias is None else bias.detach().float()
+            else:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque
+                self.bias = bias
+        self.rows = RowBuckets(width, 1 if self.kernel else None)
+
+    def __call__(self, rows: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernel:
+            return cpu_kernels.linear(rows, self.weight, self.out_features, self.bias, op, other)
+        if op == "mul":
+            return torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.weight, self.bias, "mul")
+        name, algorithm = self._ONEDNN_OPS[op]
+        return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, name, [], algorithm)
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear (bf16, CPU) with its weight prepacked (PackedMatmul), and optionally a fused activation:
+    'gelu_tanh' (y = gelu(x W^T + b), tanh approximation) or 'silu'. Any leading dims."""
+
+    ACTIVATIONS = ("none", "gelu_tanh", "silu")
 
     def __init__(self, linear: nn.Linear, activation: str = "none") -> None:
         super().__init__()
-        if activation not in self._ACTIVATIONS:
-            raise ValueError(f"activation {activation!r}: expected one of {sorted(self._ACTIVATIONS)}")
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(self.ACTIVATIONS)}")
         weight = linear.weight
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             raise ValueError(f"packed weights take a bf16 CPU nn.Linear, got {weight.dtype} on {weight.device}")
         self.in_features, self.out_features, self.activation = linear.in_features, linear.out_features, activation
         self.weight, self.bias = linear.weight, linear.bias  # kept for state_dict, checkpoints and copies
-        self._op, self._algorithm = self._ACTIVATIONS[activation]
         self._pack()
 
     def _pack(self) -> None:
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)  # opaque
-        self._rows = RowBuckets(self.in_features)
+        self.matmul = PackedMatmul(self.weight, self.bias)
+        self._rows = self.matmul.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
-            return self._rows.run(x, lambda rows: torch.ops.mkldnn._linear_pointwise(
-                rows, self.packed, self.bias, self._op, [], self._algorithm))
-        except RuntimeError as e:
+            if self.matmul.kernel:
+                return self.matmul(x, self.activation)  # nothing padded
+            return self._rows.run(x, lambda rows: self.matmul(rows, self.activation))
+        except (RuntimeError, ValueError) as e:
             raise RuntimeError(f"packed linear {self.in_features}->{self.out_features} takes a bf16 CPU input "
                                f"[..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}: {e}") from e
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x W^T + b) * other, in one primitive (no activation; rows as given: PackedSwiGLU buckets them)."""
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return self.matmul(x, "mul", other)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -170,14 +217,13 @@ class PackedLinear(nn.Module):
         memo[id(self)] = clone
         nn.Module.__init__(clone)
         clone.in_features, clone.out_features, clone.activation = self.in_features, self.out_features, self.activation
-        clone._op, clone._algorithm = self._op, self._algorithm
         clone.weight, clone.bias = copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo)
         clone._pack()
         return clone
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed, " \
-               f"activation={self.activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed " \
+               f"({'cpu_kernels linear' if self.matmul.kernel else 'oneDNN'}), activation={self.activation}"
 
 
 class PackedGeluMLP(nn.Module):
@@ -218,14 +264,13 @@ class PackedQKV(nn.Module):
     def _pack(self) -> None:
         with torch.no_grad():
             weight = torch.cat([p.weight.detach() for p in self._parts])  # [q + k + v out, in]
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
             biases = [p.bias for p in self._parts]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # [q + k + v out]
-        self._rows = RowBuckets(weight.shape[1])
+        self.matmul = PackedMatmul(weight, self.bias)
+        self._rows = self.matmul.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rows.run(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none",
-                                                                                 [], ""))
+        return self._rows.run(x, self.matmul)
 
     def __deepcopy__(self, memo: dict) -> "PackedQKV":
         return PackedQKV(*(copy.deepcopy(p, memo) for p in self._parts))
@@ -249,6 +294,8 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     work: list[tuple[nn.Module, int, int]] = []  # (matmul, its input width, rows): every count declared first
     for matmul in warmed:
         rows = _row_buckets(matmul)
+        if rows.step == 1:
+            continue  # cpu_kernels' linear: nothing compiled per row count, nothing padded
         between = sorted(n for n in set(exact) - rows.exact if n % rows.step)
         for inner in _inner_row_buckets(matmul):  # a fused MLP's second matmul takes the first's rows as they are
             inner.exact.update(between)

@@ -186,14 +186,19 @@ def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) 
 def _matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The ways this machine multiplies x [M, K] by w [N, K]^T at their dtype: F.linear, and on a CPU where oneDNN
     runs bf16 in hardware the matmul on a prepacked weight (F.linear reorders a bf16 weight on every call: at a
-    tick's 20 rows about half the prepacked matmul's rate on an AMX Xeon)."""
+    tick's 20 rows about half the prepacked matmul's rate on an AMX Xeon), and where it is built the fused CPU
+    kernels' bf16 linear on its packed tiles (backends/cpu_kernels.linear)."""
     ways: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, w)}
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        from vla_node.backends import cpu_kernels
         from vla_node.backends.packed_weights import packed_weights_available
 
         if packed_weights_available():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
             ways["prepacked"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if cpu_kernels.linear_kernel() and cpu_kernels.linear_fits(w):
+            tiles = cpu_kernels.pack_linear(w)
+            ways["cpu_kernels.linear"] = lambda: cpu_kernels.linear(x, tiles, w.shape[0], None)
     return ways
 
 

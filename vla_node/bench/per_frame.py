@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.loading import load_model
-from vla_node.backends.packed_weights import bucket_step
+from vla_node.backends.packed_weights import bucket_step, kernel_matmuls
 from vla_node.bench.floor import measure_floor
 from vla_node.bench.model import hf_peer
 from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
@@ -89,7 +89,8 @@ def _weight_bytes(config: NodeConfig) -> int:
 def path_name(config: NodeConfig) -> str:
     """The path that ran: compute dtype and linear-weight format, the attention on torch's SDPA where the CPU's AMX
     makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
-    where it runs (policy.attention_kernels), the packed matmuls' rows padded to buckets (packed_weights.RowBuckets:
+    where it runs (policy.attention_kernels), the packed matmuls on the fused CPU kernels' linear where
+    packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
     16 rows with AMX, else 8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
     it did)."""
     s = config.model
@@ -100,7 +101,8 @@ def path_name(config: NodeConfig) -> str:
     elif any(attention_kernels(s.model_config(), dtype, torch.device(s.device))):
         parts.append("attention on the AVX512-BF16 kernel")
     if s.weight_format == "packed":
-        parts.append(f"rows padded to {bucket_step()}")
+        parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
+                     f"rows padded to {bucket_step()}")
     if s.resolved_compiled_tick:
         parts.append("tick compiled (AOTInductor)")
     return ", ".join(parts)
