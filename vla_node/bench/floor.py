@@ -22,8 +22,8 @@ Bytes: each weight matrix used, read once (K*N elements, even when applied per c
 decoder's K/V once per layer for every key slot of the prefix buffer; activations are assumed to stay in cache.
 The floor is a roofline: the larger of FLOPs (attention included) / the matrix rate measured on the stage's own GEMM
 shapes and dtype (each shape the fastest way the machine has: F.linear, or in bf16 on a CPU the oneDNN matmul on
-a prepacked weight, as the node's packed weights run), and bytes / the read bandwidth of a float32 .sum() over a
-buffer of that many bytes (>= 8 MiB).
+a prepacked weight and, where it is built, the fused CPU kernels' linear, as the node's packed weights run), and
+bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB).
 """
 
 from __future__ import annotations
