@@ -78,6 +78,19 @@ def test_strided_queries_and_bias_rows_read_as_their_contiguous_copies():
 
 
 @needs_attention
+def test_keys_and_values_at_odd_element_offsets_and_row_strides_read_as_their_contiguous_copies():
+    """k and v views whose rows start 2 bytes off a 4-byte boundary and lie 67 elements apart (the kernel gathers
+    K's (d, d + 1) pairs in 2-byte steps)."""
+    q, k, v, bias = _inputs(8, 2, 17, 45, 64, seed=5)
+    wide = torch.zeros(2, 2, 45, 67, dtype=torch.bfloat16)
+    wide[0, :, :, 1:65], wide[1, :, :, 1:65] = k, v
+    k_view, v_view = wide[0, :, :, 1:65], wide[1, :, :, 1:65]
+    assert k_view.data_ptr() % 4 == 2 and k_view.stride() == v_view.stride() == (45 * 67, 67, 1)
+    with torch.inference_mode():
+        assert torch.equal(cpu_kernels.attention(q, k_view, v_view, bias), cpu_kernels.attention(q, k, v, bias))
+
+
+@needs_attention
 def test_a_nan_among_a_rows_logits_makes_that_row_nan_as_torchs_softmax_does():
     q, k, v, _ = _inputs(4, 2, 3, 40, 16)
     k[0, 7, 3] = float("nan")  # kv head 0: query heads 0 and 1

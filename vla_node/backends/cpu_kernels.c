@@ -415,7 +415,29 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
                 for (int64_t j = keys; j < kp; j++) lr[j] = -INFINITY;
                 softmax_row(lr, p + r * kp, kp);
             }
-            for (int64_t c = 0; c < dim; c += VL) { /* out = p v, VL columns a step */
+            int64_t c = 0;
+            for (; c + 2 * VL <= dim; c += 2 * VL) { /* out = p v, 2 VL columns a step: each p pair feeds two */
+                __m512 acc[ROW_BLOCK][2];
+                for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < kp / 2; i++) {
+                    __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + i * dim + c);
+                    __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + i * dim + c + VL);
+                    for (int r = 0; r < ROW_BLOCK; r++) {
+                        uint32_t pair;
+                        memcpy(&pair, p + r * kp + 2 * i, 4);
+                        __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pair);
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, v0);
+                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, v1);
+                    }
+                }
+                for (int64_t r = 0; r < block; r++) {
+                    const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
+                    uint16_t *o = out + h * out_head + t * out_row + c;
+                    _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+                    _mm256_storeu_si256((__m256i *)(o + VL), (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+                }
+            }
+            for (; c < dim; c += VL) { /* the last VL columns of a head_dim that is an odd multiple of VL */
                 __m512 acc[ROW_BLOCK];
                 for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
                 for (int64_t i = 0; i < kp / 2; i++) {
