@@ -79,8 +79,8 @@ def test_strided_queries_and_bias_rows_read_as_their_contiguous_copies():
 
 @needs_attention
 def test_keys_and_values_at_odd_element_offsets_and_row_strides_read_as_their_contiguous_copies():
-    """k and v views whose rows start 2 bytes off a 4-byte boundary and lie 67 elements apart (the kernel gathers
-    K's (d, d + 1) pairs in 2-byte steps)."""
+    """k and v views whose rows start 2 bytes off a 4-byte boundary and lie 67 elements apart (the kernel reads K's
+    (d, d + 1) pairs and V's rows as 16-bit values, at any element offset)."""
     q, k, v, bias = _inputs(8, 2, 17, 45, 64, seed=5)
     wide = torch.zeros(2, 2, 45, 67, dtype=torch.bfloat16)
     wide[0, :, :, 1:65], wide[1, :, :, 1:65] = k, v

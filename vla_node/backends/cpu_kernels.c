@@ -354,6 +354,32 @@ static inline void softmax_row(float *lr, uint16_t *pr, int64_t kp) {
                                                                   _mm512_mul_ps(_mm512_loadu_ps(lr + j), inverse)));
 }
 
+/* out = p v for `vectors` (1 or 2, a constant where inlined) column vectors of VL from column c: ROW_BLOCK rows of
+ * bf16 p [ROW_BLOCK, kp] over V's interleaved row pairs vp [kp / 2, dim], fp32 sums rounded once to bf16; the block's
+ * first `block` rows stored at their (head, row) places in out. */
+static inline __attribute__((always_inline)) void pv_columns(
+    int vectors, const uint16_t *p, int64_t kp, const uint32_t *vp, int64_t dim, int64_t c, uint16_t *out,
+    int64_t out_head, int64_t out_row, int64_t i0, int64_t block, int64_t hk, int64_t group, int64_t rows) {
+    __m512 acc[ROW_BLOCK][2];
+    for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kp / 2; i++) {
+        __m512bh vi[2];
+        for (int u = 0; u < vectors; u++) vi[u] = (__m512bh)_mm512_loadu_si512(vp + i * dim + c + u * VL);
+        for (int r = 0; r < ROW_BLOCK; r++) {
+            uint32_t pair;
+            memcpy(&pair, p + r * kp + 2 * i, 4);
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int u = 0; u < vectors; u++) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], pr, vi[u]);
+        }
+    }
+    for (int64_t r = 0; r < block; r++) {
+        const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
+        uint16_t *o = out + h * out_head + t * out_row + c;
+        for (int u = 0; u < vectors; u++)
+            _mm256_storeu_si256((__m256i *)(o + u * VL), (__m256i)_mm512_cvtneps_pbh(acc[r][u]));
+    }
+}
+
 ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
     const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2, group = heads / kv_heads;
     char *work = attention_work((size_t)(pairs * kp * 4 + kp / 2 * dim * 4 + ROW_BLOCK * (kp * 6 + pairs * 4)));
@@ -416,44 +442,10 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
                 softmax_row(lr, p + r * kp, kp);
             }
             int64_t c = 0;
-            for (; c + 2 * VL <= dim; c += 2 * VL) { /* out = p v, 2 VL columns a step: each p pair feeds two */
-                __m512 acc[ROW_BLOCK][2];
-                for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-                for (int64_t i = 0; i < kp / 2; i++) {
-                    __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + i * dim + c);
-                    __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + i * dim + c + VL);
-                    for (int r = 0; r < ROW_BLOCK; r++) {
-                        uint32_t pair;
-                        memcpy(&pair, p + r * kp + 2 * i, 4);
-                        __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pair);
-                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, v0);
-                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, v1);
-                    }
-                }
-                for (int64_t r = 0; r < block; r++) {
-                    const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
-                    uint16_t *o = out + h * out_head + t * out_row + c;
-                    _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-                    _mm256_storeu_si256((__m256i *)(o + VL), (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-                }
-            }
-            for (; c < dim; c += VL) { /* the last VL columns of a head_dim that is an odd multiple of VL */
-                __m512 acc[ROW_BLOCK];
-                for (int r = 0; r < ROW_BLOCK; r++) acc[r] = _mm512_setzero_ps();
-                for (int64_t i = 0; i < kp / 2; i++) {
-                    __m512bh vi = (__m512bh)_mm512_loadu_si512(vp + i * dim + c);
-                    for (int r = 0; r < ROW_BLOCK; r++) {
-                        uint32_t pair;
-                        memcpy(&pair, p + r * kp + 2 * i, 4);
-                        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), vi);
-                    }
-                }
-                for (int64_t r = 0; r < block; r++) {
-                    const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
-                    _mm256_storeu_si256((__m256i *)(out + h * out_head + t * out_row + c),
-                                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
-                }
-            }
+            for (; c + 2 * VL <= dim; c += 2 * VL) /* out = p v: each broadcast p pair feeds two column vectors */
+                pv_columns(2, p, kp, vp, dim, c, out, out_head, out_row, i0, block, hk, group, rows);
+            if (c < dim) /* the last VL columns of a head_dim that is an odd multiple of VL */
+                pv_columns(1, p, kp, vp, dim, c, out, out_head, out_row, i0, block, hk, group, rows);
         }
     }
     return 0;
