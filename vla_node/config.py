@@ -44,8 +44,10 @@ class ModelSection:
     action_head: str | None = None
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 | auto (bf16 on a GPU or a CPU with bf16 hardware, else fp32)
     # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | packed (bf16
-    # compute on a CPU with bf16 hardware: prepacked for oneDNN, MLP activations fused) | auto (fp16 with fp32
-    # compute on an x86 CPU, packed with bf16 compute on a CPU that has it; else the compute dtype)
+    # compute on a CPU with bf16 hardware: prepacked for oneDNN, MLP activations fused) | int8 (packed, bf16 compute,
+    # each matmul on the CPU kernels' int8 linear: weights per output column, activations per row as they come;
+    # AVX512-VNNI and -BF16, one thread) | auto (fp16 with fp32 compute on an x86 CPU, packed with bf16 compute on a
+    # CPU that has it; else the compute dtype; never int8, which trades accuracy for speed)
     weights: str = "fp32"
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N
     # torch: the eager policy (every configuration; weights as `weights` says) | onnxruntime | tensorrt | cudagraph:
@@ -71,8 +73,8 @@ class ModelSection:
         require(self.action_head in (None, "bins", "flow"), "model.action_head", self.action_head,
                 "'bins', 'flow' or unset")
         require(self.dtype in ("fp32", "bf16", "fp16", "auto"), "model.dtype", self.dtype, "fp32, bf16, fp16 or auto")
-        require(self.weights in ("fp32", "fp16", "packed", "auto"), "model.weights", self.weights,
-                "'fp32', 'fp16', 'packed' or 'auto'")
+        require(self.weights in ("fp32", "fp16", "packed", "int8", "auto"), "model.weights", self.weights,
+                "'fp32', 'fp16', 'packed', 'int8' or 'auto'")
         if self.weights == "fp16":
             from vla_node.backends.fp16_weights import fp16_weights_available
 
@@ -89,6 +91,17 @@ class ModelSection:
                     "on the CPU)")
             require(packed_weights_available(), "model.weights", self.weights,
                     "'fp32' here: packed bf16 weights need oneDNN and a CPU with bf16 hardware (AVX512-BF16 or AMX)")
+        if self.weights == "int8":
+            from vla_node.backends.packed_weights import int8_weights_available
+
+            require(self.resolved_dtype == "bf16" and self.device == "cpu", "model.weights", self.weights,
+                    f"'fp32' with dtype {self.resolved_dtype!r} on {self.device!r} (int8 weights take bf16 compute "
+                    "on the CPU)")
+            require(int8_weights_available(), "model.weights", self.weights,
+                    "'packed' or 'fp32' here: int8 weights need the fused CPU kernels built with AVX512-VNNI and "
+                    "AVX512-BF16")
+            require(self.compiled_tick != "on", "model.weights", self.weights,
+                    "'packed' with compiled_tick 'on' (the compiled tick has no int8 kernel)")
         for key, value in (("model.backend", self.backend), *(("model.fallback", b) for b in self.fallback)):
             choose(key, value, {b: b for b in BACKENDS})
         require(self.recipe in RECIPES, "model.recipe", self.recipe, f"one of {list(RECIPES)}")
@@ -117,8 +130,8 @@ class ModelSection:
     @property
     def resolved_weights(self) -> str:
         """How the linear weights are stored on this machine: 'fp16' (with fp32 compute: fbgemm's), 'packed'
-        (oneDNN, bf16 compute) or the compute dtype."""
-        if self.weights in ("fp16", "packed"):
+        (oneDNN, bf16 compute), 'int8' (the int8 linear kernel, bf16 compute) or the compute dtype."""
+        if self.weights in ("fp16", "packed", "int8"):
             return self.weights
         dtype = self.resolved_dtype
         if self.weights != "auto" or self.device != "cpu":
@@ -134,10 +147,10 @@ class ModelSection:
 
     @property
     def weight_format(self) -> str:
-        """How load_model stores the linear weights: 'fp16' (fbgemm's, fp32 compute), 'packed' (oneDNN bf16) or
-        'plain' (in the compute dtype)."""
+        """How load_model stores the linear weights: 'fp16' (fbgemm's, fp32 compute), 'packed' (oneDNN bf16), 'int8'
+        or 'plain' (in the compute dtype)."""
         weights = self.resolved_weights
-        if weights == "packed" or (weights == "fp16" and self.resolved_dtype == "fp32"):
+        if weights in ("packed", "int8") or (weights == "fp16" and self.resolved_dtype == "fp32"):
             return weights
         return "plain"
 

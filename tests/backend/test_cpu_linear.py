@@ -4,8 +4,8 @@ packed weights choosing it only where it pays (one thread, no AMX)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers.linear_cases import OPS, linear_inputs, relative_error
 from helpers.numerics import assert_within, bf16_ulp
 from vla_node.backends import cpu_features, cpu_kernels, packed_weights
 
@@ -22,19 +22,6 @@ needs_linear = pytest.mark.skipif(
 # tower's 196 tokens (q|k|v, fc2), the state embedding (K = 4), a tail of 10 columns past a tile of 48
 SHAPES = [(17, 512, 768), (17, 512, 512), (17, 512, 1536), (17, 1536, 512), (16, 512, 256), (80, 512, 1536),
           (196, 384, 1152), (196, 1536, 384), (1, 4, 512), (5, 48, 58)]
-OPS = {"none": lambda y, other: y, "silu": lambda y, other: F.silu(y),
-       "gelu_tanh": lambda y, other: F.gelu(y, approximate="tanh"), "mul": lambda y, other: y * other}
-
-
-def _inputs(rows, k, n, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=generator).bfloat16()
-    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
-    bias = torch.randn(n, generator=generator).bfloat16()
-    other = torch.randn(rows, n, generator=generator).bfloat16()
-    return x, weight, bias, other
-
-
 def _onednn(x, weight, bias, op, other):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
     if op == "mul":
@@ -43,17 +30,13 @@ def _onednn(x, weight, bias, op, other):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, name, [], algorithm)
 
 
-def _error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 @needs_linear
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("op", list(OPS))
 def test_the_kernel_is_as_near_fp64_as_onednn_and_a_bf16_step_from_it(shape, op):
     """fp32 sums, the bias and the op in fp32, one rounding: within a bf16 step of oneDNN's result (two summation
     orders), and as near fp64 as oneDNN (within 10%, and within bf16's rounding)."""
-    x, weight, bias, other = _inputs(*shape)
+    x, weight, bias, other = linear_inputs(*shape)
     want = OPS[op](x.double() @ weight.double().T + bias.double(), other.double())
     with torch.inference_mode():
         got = cpu_kernels.linear(x, cpu_kernels.pack_linear(weight), shape[2], bias.float(), op,
@@ -61,14 +44,14 @@ def test_the_kernel_is_as_near_fp64_as_onednn_and_a_bf16_step_from_it(shape, op)
         theirs = _onednn(x, weight, bias, op, other)
     assert got.shape == (shape[0], shape[2]) and got.dtype == torch.bfloat16
     assert_within(got.float(), theirs.float(), bf16_ulp(theirs), f"kernel against oneDNN ({op})")
-    assert _error(got, want) <= min(1.1 * _error(theirs, want), 2 ** -8)
+    assert relative_error(got, want) <= min(1.1 * relative_error(theirs, want), 2 ** -8)
 
 
 @needs_linear
 def test_rows_are_read_as_they_lie_and_leading_dims_kept():
     """A strided row view (a column slice of a wider buffer) and a 3-D input give the bits of their contiguous
     2-D copy; `other` strided alike."""
-    x, weight, bias, other = _inputs(12, 64, 96, seed=1)
+    x, weight, bias, other = linear_inputs(12, 64, 96, seed=1)
     wide = torch.randn(12, 80).bfloat16()
     wide[:, 8:72] = x
     strided = wide[:, 8:72]
@@ -83,7 +66,7 @@ def test_rows_are_read_as_they_lie_and_leading_dims_kept():
 
 @needs_linear
 def test_a_nan_input_makes_its_row_nan_and_no_other():
-    x, weight, _, _ = _inputs(17, 512, 64, seed=2)
+    x, weight, _, _ = linear_inputs(17, 512, 64, seed=2)
     x[3, 100] = float("nan")
     for op in ("none", "silu", "gelu_tanh"):
         y = cpu_kernels.linear(x, cpu_kernels.pack_linear(weight), 64, None, op)
@@ -92,7 +75,7 @@ def test_a_nan_input_makes_its_row_nan_and_no_other():
 
 @needs_linear
 def test_bad_inputs_are_refused_with_what_was_expected():
-    x, weight, bias, other = _inputs(4, 32, 48)
+    x, weight, bias, other = linear_inputs(4, 32, 48)
     packed = cpu_kernels.pack_linear(weight)
     with pytest.raises(ValueError, match=r"takes a bf16 CPU x \[..., 32\], got torch.float32 \(4, 32\)"):
         cpu_kernels.linear(x.float(), packed, 48, None)

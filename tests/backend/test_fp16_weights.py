@@ -65,7 +65,7 @@ def test_config_names_the_key_and_what_is_allowed():
     assert ModelSection(weights="auto").resolved_weights == "fp16"  # fp32 compute on this x86 CPU
     assert ModelSection(weights="auto", dtype="bf16").resolved_weights == ("packed" if packed_weights_available()
                                                                            else "bf16")
-    with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32', 'fp16', 'packed' or 'auto'"):
+    with pytest.raises(ConfigError, match=r"model.weights = 'int4': expected 'fp32', 'fp16', 'packed', 'int8' or 'auto'"):
         ModelSection(weights="int4")
     with pytest.raises(ConfigError, match=r"model.weights = 'fp16': expected 'fp32' with dtype 'bf16'"):
         ModelSection(weights="fp16", dtype="bf16")

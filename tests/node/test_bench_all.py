@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 import pytest
 
 from helpers.node_helpers import TINY_LAUNCH
+from vla_node.backends import packed_weights
 from vla_node.bench import suite
 from vla_node.bench.suite_report import histogram_rows
 
@@ -35,8 +36,14 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     h = result["header"]
     assert h["cpu"] and h["threads"] == 1 and h["versions"]["torch"] and "oneDNN" in h["kernels"]
     m = result["model"]
-    assert set(m["ms"]) == {"ours", "int8", "reference", "peer"} and all(v > 0 for v in m["ms"].values())
+    int8 = {"ours int8"} if m["compute_dtype"] == "bf16" and packed_weights.int8_weights_available() else set()
+    assert set(m["ms"]) == {"ours", "onnxruntime int8", "reference", "peer", *int8}
+    assert all(v > 0 for v in m["ms"].values()) and set(m["accuracy_vs_fp32_reference"]) == set(m["ms"]) - {
+        "reference", "peer"}
     assert m["speedup_vs_hf"] == pytest.approx(m["ms"]["peer"] / m["ms"]["ours"], rel=0.01)  # ms are rounded
+    fastest_int8 = min(m["ms"]["onnxruntime int8"], *(m["ms"][name] for name in int8))
+    assert m["int8_speedup_vs_hf"] == pytest.approx(m["ms"]["peer"] / fastest_int8, rel=0.01)
+    assert bool(int8) == any("int8 weights" in key for key in result["stages"]["ms"])
     for a in m["accuracy_vs_fp32_reference"].values():
         assert 0 <= a["bins_agreement"] <= 1 and 0 <= a["logit_rel_err_mean"] <= a["logit_rel_err_max"]
     assert m["floor"]["stage"] == "reuse_frame" and m["floor"]["floor_ms"] > 0

@@ -289,6 +289,11 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
     int NAME(const T *x, int64_t m, int64_t ldx, const T *packed, int64_t n, int64_t k, const float *bias, int op, \
              const T *other, int64_t ldo, T *y, int64_t ldy)
 #define PACK_LINEAR_SIGNATURE(NAME, T) int NAME(const T *w, int64_t n, int64_t k, T *packed)
+#define LINEAR_S8_SIGNATURE(NAME, T)                                                                       \
+    int NAME(const T *x, int64_t m, int64_t ldx, const int8_t *packed, const float *scale, const int32_t *sums,  \
+             int64_t n, int64_t k, const float *bias, int op, const T *other, int64_t ldo, T *y, int64_t ldy)
+#define PACK_LINEAR_S8_SIGNATURE(NAME, T) \
+    int NAME(const T *w, int64_t n, int64_t k, int8_t *packed, float *scale, int32_t *sums)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
@@ -570,6 +575,163 @@ PACK_LINEAR_SIGNATURE(vla_pack_linear_bf16, uint16_t) {
     }
     return 0;
 }
+
+/* The int8 linear (AVX512-VNNI): y [m, n] = op(x [m, k] W^T + bias) with W quantized per output column, symmetric
+ * (w = scale[c] * q, q in [-127, 127]; vla_pack_linear_s8_bf16), and each row of x quantized as it comes, symmetric
+ * per row (x = s_r * q, s_r = max |x_r| / 127, q = round-to-nearest-even(x * 127 / max |x_r|)). The row's codes are
+ * stored offset by 128 (u8) for the unsigned x signed byte dot product, which sums four products a lane in int32;
+ * the offset comes off exactly with the column's code sum (sums[c]): sum (q_x + 128) q_w - 128 sum q_w. Then, in
+ * fp32, s_r * scale[c] * that + bias, the op and one rounding to bf16, as the bf16 linear. Tiles as the bf16 linear's
+ * (LINEAR_TILE columns, LINEAR_ROWS rows sharing each weight load), each tile [k / 4][cols][4] bytes: half the bf16
+ * weight's bytes and, on a CPU whose byte dot product issues as often as its bf16 one, twice the products a cycle.
+ * k is a multiple of 4; a row with no nonzero value gives the bias alone (its codes all 0), a row with a NaN or an
+ * infinity NaNs. Returns 0; -1 on a bad k or op; -3 when the codes' workspace (per thread) cannot be allocated. */
+typedef int32_t int32x16 __attribute__((vector_size(64))); /* gcc 12 spills __m512i accumulators (its builtin's
+                                                              * 16 x int32 view of them); these stay in registers */
+static _Thread_local uint8_t *codes_workspace;
+static _Thread_local size_t codes_capacity;
+
+static inline __attribute__((always_inline)) void linear_s8_block(
+        const uint8_t *x, int64_t ldx, const float *row_scale, const int8_t *tile, const float *scale,
+        const int32_t *sums, int64_t k, const float *bias, int op, const uint16_t *other, int64_t ldo, uint16_t *y,
+        int64_t ldy, __mmask16 tail, const char *ahead, int64_t ahead_step, const int rows, const int vectors) {
+    int32x16 acc[LINEAR_ROWS][LINEAR_VECTORS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) acc[r][v] = (int32x16)_mm512_setzero_si512();
+    for (int64_t p = 0; p < k / 4; p++) {
+        if (ahead)
+            for (int v = 0; v < vectors; v++) _mm_prefetch(ahead + p * ahead_step + 64 * v, _MM_HINT_T0);
+        __m512i w[LINEAR_VECTORS];
+        for (int v = 0; v < vectors; v++) w[v] = _mm512_loadu_si512(tile + (p * vectors + v) * 4 * VL);
+        for (int r = 0; r < rows; r++) {
+            int32_t quad;
+            memcpy(&quad, x + r * ldx + 4 * p, sizeof quad);
+            const __m512i a = _mm512_set1_epi32(quad);
+            for (int v = 0; v < vectors; v++) acc[r][v] = (int32x16)_mm512_dpbusd_epi32((__m512i)acc[r][v], a, w[v]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) {
+            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
+            const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + v * VL), 7);
+            const __m512 units = _mm512_mul_ps(_mm512_set1_ps(row_scale[r]), _mm512_maskz_loadu_ps(lanes, scale + v * VL));
+            __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][v], offset)), units);
+            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(lanes, bias + v * VL));
+            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
+            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+
+/* x's row quantized (see above) into codes [k] (u8, offset 128); returns its scale s_r. */
+static float quantize_row(const uint16_t *x, int64_t k, uint8_t *codes) {
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < k; i += VL) {
+        const __mmask16 lanes = k - i < VL ? (__mmask16)((1u << (k - i)) - 1) : 0xffff;
+        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + i));
+        const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        nan |= _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, _mm512_abs_ps(value));
+    }
+    const float most = nan ? NAN : _mm512_reduce_max_ps(top); /* a NaN makes the row's outputs NaN */
+    const __m512 inverse = _mm512_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+    for (int64_t i = 0; i < k; i += VL) {
+        const __mmask16 lanes = k - i < VL ? (__mmask16)((1u << (k - i)) - 1) : 0xffff;
+        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + i));
+        const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)), inverse);
+        const __m512i code = _mm512_add_epi32(_mm512_cvtps_epi32(value), _mm512_set1_epi32(128)); /* nearest even */
+        _mm_mask_storeu_epi8(codes + i, lanes, _mm512_cvtepi32_epi8(code));
+    }
+    return most / 127.0f;
+}
+
+#define LINEAR_S8_CASE(R, V)                                                                                   \
+    case R:                                                                                                    \
+        linear_s8_block(codes + r0 * kp, kp, row_scale + r0, tile, s, c, k, b, op, o, ldo, y + r0 * ldy + n0,     \
+                        ldy, tail, ahead, step, R, V);                                                           \
+        break;
+#define LINEAR_S8_ROWS_SWITCH(V)                                                                               \
+    switch (rows) {                                                                                            \
+        LINEAR_S8_CASE(1, V) LINEAR_S8_CASE(2, V) LINEAR_S8_CASE(3, V) LINEAR_S8_CASE(4, V)                    \
+        LINEAR_S8_CASE(5, V) LINEAR_S8_CASE(6, V) LINEAR_S8_CASE(7, V) LINEAR_S8_CASE(8, V)                    \
+        LINEAR_S8_CASE(9, V)                                                                                   \
+    }
+
+LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
+#if defined(__AVX512VNNI__)
+    if (k % 4 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
+    const int64_t kp = (k + 63) / 64 * 64; /* a row's codes start on a cache line */
+    const size_t bytes = (size_t)m * (size_t)kp + (size_t)m * sizeof(float) + 64;
+    if (bytes > codes_capacity) {
+        uint8_t *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!grown) return -3;
+        free(codes_workspace);
+        codes_workspace = grown;
+        codes_capacity = bytes;
+    }
+    uint8_t *codes = codes_workspace;
+    float *row_scale = (float *)(codes + (size_t)m * (size_t)kp);
+    for (int64_t r = 0; r < m; r++) row_scale[r] = quantize_row(x + r * ldx, k, codes + r * kp);
+    const int64_t blocks = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
+        const int vectors = (int)((cols + VL - 1) / VL);
+        const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
+        const int8_t *tile = packed + n0 * k;
+        const float *b = bias ? bias + n0 : NULL, *s = scale + n0;
+        const int32_t *c = sums + n0;
+        int64_t r0 = 0;
+        for (int64_t block = 0; block < blocks; block++) {
+            const int rows = (int)((m - r0) / (blocks - block));
+            const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
+            const int64_t step = vectors * 64; /* bytes of the tile a quad of k takes */
+            const char *ahead = block == 0 ? (const char *)tile + LINEAR_AHEAD * step
+                              : block == 1 ? (const char *)(tile + cols * k) + LINEAR_AHEAD * step : NULL;
+            if (vectors == 3) {
+                LINEAR_S8_ROWS_SWITCH(3)
+            } else if (vectors == 2) {
+                LINEAR_S8_ROWS_SWITCH(2)
+            } else {
+                LINEAR_S8_ROWS_SWITCH(1)
+            }
+            r0 += rows;
+        }
+    }
+    return 0;
+#else
+    return -2;
+#endif
+}
+
+PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
+#if defined(__AVX512VNNI__)
+    if (k % 4) return -1;
+    for (int64_t c = 0; c < n; c++) {
+        float most = 0.0f;
+        for (int64_t i = 0; i < k; i++) most = fmaxf(most, fabsf(load_bf16(w + c * k + i)));
+        scale[c] = most / 127.0f;
+    }
+    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE, padded = (cols + VL - 1) / VL * VL;
+        for (int64_t c = cols; c < padded; c++) scale[n0 + c] = 0.0f, sums[n0 + c] = 0;
+        for (int64_t c = 0; c < cols; c++) sums[n0 + c] = 0;
+        for (int64_t p = 0; p < k / 4; p++)
+            for (int64_t c = 0; c < padded; c++)
+                for (int64_t j = 0; j < 4; j++) {
+                    int8_t q = 0;
+                    if (c < cols && scale[n0 + c] > 0.0f) {
+                        const float code = nearbyintf(load_bf16(w + (n0 + c) * k + 4 * p + j) / scale[n0 + c]);
+                        q = (int8_t)fminf(fmaxf(code, -127.0f), 127.0f);
+                        sums[n0 + c] += q;
+                    }
+                    *packed++ = q;
+                }
+    }
+    return 0;
+#else
+    return -2;
+#endif
+}
 #else
 ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
     return -2;
@@ -578,6 +740,12 @@ LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     return -2;
 }
 PACK_LINEAR_SIGNATURE(vla_pack_linear_bf16, uint16_t) {
+    return -2;
+}
+LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
+    return -2;
+}
+PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
     return -2;
 }
 #endif
@@ -591,5 +759,13 @@ LINEAR_SIGNATURE(vla_linear_f32, float) {
 }
 
 PACK_LINEAR_SIGNATURE(vla_pack_linear_f32, float) {
+    return -2;
+}
+
+LINEAR_S8_SIGNATURE(vla_linear_s8_f32, float) {
+    return -2;
+}
+
+PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_f32, float) {
     return -2;
 }

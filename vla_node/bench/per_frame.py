@@ -7,7 +7,9 @@ a shared machine hits every one alike:
 
     ours           the node's policy (the eager MultiRatePolicy, as the launch file builds it at the compute dtype)
                    behind the reuse gate, as the node drives it: the frame's vision update with the tick in its pass
-    int8           the engine policy on ONNX Runtime's dynamic int8 recipe (int8-ort), driven the same way
+    ours int8      the same with `weights = "int8"` (every matmul on the CPU kernels' int8 linear), where it runs
+                   (bf16 compute, AVX512-VNNI)
+    onnxruntime int8  the engine policy on ONNX Runtime's dynamic int8 recipe (int8-ort), driven the same way
     reference      ReferencePolicy.step: full recompute of every token, at the compute dtype
     peer           transformers: SiglipVisionModel on the frame's pixels, our projector, then
                    LlamaForCausalLM.generate of the H*D action tokens after the prefix (its default dynamic cache),
@@ -17,7 +19,7 @@ a shared machine hits every one alike:
 Compute dtype: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32; the report names the
 path that ran (dtype, linear-weight format, the SDPA attention with AMX, the packed matmuls' row buckets).
 speedup_vs_hf = peer ms / ours ms (medians over the frames after the first, which is a full refresh for every
-contender).
+contender); int8_speedup_vs_hf the same for the faster int8 contender.
 
 The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refreshed token count: peer_over_floor is
 the most speedup_vs_hf any implementation could show on this machine at this dtype.
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from vla_node.backends.loading import load_model
-from vla_node.backends.packed_weights import bucket_step, kernel_matmuls
+from vla_node.backends.packed_weights import bucket_step, int8_weights_available, kernel_matmuls
 from vla_node.bench.floor import measure_floor
 from vla_node.bench.model import hf_peer
 from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
@@ -52,7 +54,7 @@ from vla_node.runtime.policy import MultiRatePolicy, attention_kernels, fused_at
 from vla_node.runtime.reference import ReferencePolicy
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2}  # None: the compute dtype's
+WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2, "int8": 1}  # None: the compute dtype's
 
 
 @dataclasses.dataclass
@@ -103,6 +105,8 @@ def path_name(config: NodeConfig) -> str:
     if s.weight_format == "packed":
         parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
                      f"rows padded to {bucket_step()}")
+    elif s.weight_format == "int8":
+        parts.append("matmuls on the AVX512-VNNI int8 linear kernel")
     if s.resolved_compiled_tick:
         parts.append("tick compiled (AOTInductor)")
     return ", ".join(parts)
@@ -137,7 +141,10 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     int8 = EnginePolicy(plain, engine_set(config, plain, "onnxruntime", "int8-ort", build=True), config.cache,
                         "cpu", config.reuse)
-    gated = {"ours": Gated(GatedPolicy(policy, config.reuse)), "int8": Gated(GatedPolicy(int8, config.reuse))}
+    gated = {"ours": Gated(GatedPolicy(policy, config.reuse))}
+    if ours_config.model.resolved_dtype == "bf16" and int8_weights_available():
+        gated["ours int8"] = Gated(GatedPolicy(eager_policy(int8_config(ours_config)), config.reuse))
+    gated["onnxruntime int8"] = Gated(GatedPolicy(int8, config.reuse))
     for g in gated.values():
         g.gated.policy.update_text(instruction)
     reference = ReferencePolicy(load_model(c, "plain", config.model.checkpoint, config.model.seed), torch_dtype)
@@ -147,11 +154,8 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     timed: dict[str, list[float]] = {"reference": [], "peer": []}
     oracle_chunks: list[ActionChunk] = []
 
-    steps: dict[str, Callable[[np.ndarray], object]] = {
-        "ours": lambda image: gated["ours"].frame(image, state),
-        "int8": lambda image: gated["int8"].frame(image, state),
-        "reference": lambda image: reference.step([image], instruction, state),
-        "peer": peer}
+    steps: dict[str, Callable[[np.ndarray], object]] = {name: _frame_step(g, state) for name, g in gated.items()}
+    steps.update({"reference": lambda image: reference.step([image], instruction, state), "peer": peer})
     order = list(steps)
     with Progress(len(frames), "bench all: per frame on the clip", enabled=progress) as bar:
         for index, image in enumerate(frames):
@@ -174,9 +178,17 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
                       "peer_over_floor": round(ms["peer"] / floor["floor_ms"], 2)},
             "speedup_vs_hf": round(ms["peer"] / ms["ours"], 2),
             "speedup_vs_reference": round(ms["reference"] / ms["ours"], 2),
-            "int8_speedup_vs_hf": round(ms["peer"] / ms["int8"], 2),
-            "accuracy_vs_fp32_reference": {"ours": accuracy(gated["ours"].chunks, oracle_chunks),
-                                           "int8": accuracy(gated["int8"].chunks, oracle_chunks)}}
+            "int8_speedup_vs_hf": round(ms["peer"] / min(ms[name] for name in gated if "int8" in name), 2),
+            "accuracy_vs_fp32_reference": {name: accuracy(g.chunks, oracle_chunks) for name, g in gated.items()}}
+
+
+def _frame_step(gated: Gated, state: np.ndarray) -> Callable[[np.ndarray], None]:
+    return lambda image: gated.frame(image, state)
+
+
+def int8_config(config: NodeConfig) -> NodeConfig:
+    """`config` (compute_config, bf16) with its linear weights on the int8 kernel."""
+    return config.replace(model=dataclasses.replace(config.model, weights="int8", compiled_tick="off"))
 
 
 def _stage_cases(policy: MultiRatePolicy, image: np.ndarray, state: np.ndarray, instruction: str) -> dict:
@@ -188,13 +200,16 @@ def _stage_cases(policy: MultiRatePolicy, image: np.ndarray, state: np.ndarray, 
 
 def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype: str, rounds: int = 8) -> dict:
     """The tick and the full-refresh frame (with its tick) per backend, interleaved round by round, and each eager
-    stage against its floor at its own dtype."""
+    stage against its floor at its own dtype (the int8 weights' stages without one: the floor times bf16 and fp32
+    matmuls)."""
     eager = {dtype: compute_config(config, dtype)}
     if eager[dtype].model.resolved_dtype != "fp32":
         eager["fp32"] = compute_config(config, "fp32")
     backends: dict[str, MultiRatePolicy] = {}
     for key, node_config in eager.items():
         backends[f"torch {path_name(node_config)}"] = eager_policy(node_config)
+    if eager[dtype].model.resolved_dtype == "bf16" and int8_weights_available():  # its ms alone: no int8 floor
+        backends[f"torch {path_name(int8_config(eager[dtype]))}"] = eager_policy(int8_config(eager[dtype]))
     c = next(iter(backends.values())).config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     for recipe in ("fp32", "int8-ort"):
