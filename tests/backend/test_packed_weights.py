@@ -330,6 +330,7 @@ def test_warm_row_buckets_compiles_every_bucket_and_exact_count_once(monkeypatch
     matmuls = [m for m in model.modules() if isinstance(m, (packed_weights.PackedSwiGLU, packed_weights.PackedGeluMLP))]
     alone = [m for m in model.modules() if isinstance(m, PackedLinear)
              and not any(m is child for mlp in matmuls for child in mlp.children())]
+    alone.append(model.vision.embeddings.__dict__["packed_patches"])  # the patch embedding's matmul
     layers = [*model.vision.encoder.layers, *model.decoder.model.layers]
     qkv = [layer.self_attn.__dict__["qkv"] for layer in layers]  # SigLIP's and Llama's
     everything = [packed_weights._row_buckets(m) for m in matmuls + alone + qkv]

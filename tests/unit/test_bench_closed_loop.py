@@ -35,3 +35,15 @@ def test_fewer_denoising_steps_alone_changes_only_the_step_count():
     held = next(s for s in rows if s.name == "level: fewer_denoising_steps 5")
     accumulated = knobs_of("flow", held)  # the level in the full ladder keeps the cap and threshold before it
     assert accumulated.denoising_steps == 5 and accumulated.max_refresh_fraction < 1.0
+
+
+def test_int8_weights_are_a_configuration_where_the_int8_kernel_runs():
+    from vla_node.backends.packed_weights import int8_weights_available
+
+    rows = settings("bins", _inference_levels("bins", SIM_CHECKPOINTS / "bins"), "calib")
+    int8 = [s for s in rows if s.name == "int8_weights"]
+    assert len(int8) == int(int8_weights_available())
+    for setting in int8:  # the reference with bf16 compute and int8 weights: a launch file that loads
+        config = load_launch(SIM_LAUNCH, (f"model.checkpoint={SIM_CHECKPOINTS / 'bins'}",) + setting.overrides)
+        assert (config.model.resolved_dtype, config.model.weight_format) == ("bf16", "int8")
+        assert config.reuse.threshold == 0

@@ -65,7 +65,7 @@ from torch import nn
 
 from vla_node.backends import cpu_features, cpu_kernels, fp16_weights
 from vla_node.model.decoder import LlamaMLP
-from vla_node.model.vision import SiglipMLP
+from vla_node.model.vision import SiglipEmbeddings, SiglipMLP
 
 BATCH_HINT = 196  # rows oneDNN packs for (a camera's tokens); any row count works
 AMX_ROW_BUCKET = 16  # where oneDNN runs AMX, rows are padded up to a multiple of this (a tile's rows)
@@ -313,7 +313,7 @@ def warm_row_buckets(module: nn.Module, max_rows: int, exact: Iterable[int] = ()
     mlps = [m for m in module.modules() if isinstance(m, (PackedGeluMLP, PackedSwiGLU))]
     inside = {id(linear) for mlp in mlps for linear in mlp.children()}
     warmed = mlps + [m for m in module.modules() if isinstance(m, PackedLinear) and id(m) not in inside]
-    warmed += [m.__dict__["qkv"] for m in module.modules() if "qkv" in m.__dict__]
+    warmed += [m.__dict__[name] for m in module.modules() for name in ("qkv", "packed_patches") if name in m.__dict__]
     runs: dict[tuple, set[int]] = {}  # per kernel key, the row counts one of its matmuls runs
     work: list[tuple[nn.Module, int, int]] = []  # (matmul, its input width, rows): every count declared first
     for matmul in warmed:
@@ -397,4 +397,17 @@ def use_packed_weights(module: nn.Module, int8: bool = False) -> nn.Module:
         if isinstance(attention, (LlamaAttention, SiglipAttention)):
             # a plain attribute, not a submodule: the projections stay the modules that own the weights
             object.__setattr__(attention, "qkv", PackedQKV(attention.q_proj, attention.k_proj, attention.v_proj))
+    for embeddings in module.modules():
+        if isinstance(embeddings, SiglipEmbeddings):  # the patch embedding's conv as the matmul embed_patches runs
+            object.__setattr__(embeddings, "packed_patches", _packed_patches(embeddings.patch_embedding, int8))
     return module
+
+
+def _packed_patches(conv: nn.Conv2d, int8: bool) -> PackedLinear:
+    """A patch embedding's conv weight [W, C, P, P] as a PackedLinear of [W, C*P*P] (a copy: the conv keeps its own)."""
+    flat = nn.Linear(conv.weight[0].numel(), conv.out_channels, bias=conv.bias is not None, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        flat.weight.copy_(conv.weight.reshape(conv.out_channels, -1))  # [W, C, P, P] -> [W, C*P*P]
+        if conv.bias is not None:
+            flat.bias.copy_(conv.bias)
+    return PackedLinear(flat.requires_grad_(False), int8=int8)

@@ -13,7 +13,8 @@ simulator over ZeroMQ in real time) under each configuration, each a set of `--s
     reference_repeat   the same again: the run-to-run spread of a real-time loop, against which to read the rest
     defaults           launch/sim.toml as it is (its default optimisations together)
     <one optimisation> the reference with only that changed: INT8 vision KV, bf16 text KV, the CPU's compute path
-                       (auto: bf16 with packed weights where the CPU has bf16 hardware), fp16 weights, each reuse
+                       (auto: bf16 with packed weights where the CPU has bf16 hardware), fp16 weights, int8
+                       weights (where the CPU kernels' int8 linear runs: AVX512-VNNI), each reuse
                        threshold, each engine recipe (ONNX Runtime fp32, int8-ort, int8-trt calibrated on simulator
                        frames)
     level: <name>      the defaults with the scheduler held at that degrade level (scheduler.min_level): each level
@@ -44,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from vla_node.backends import cpu_features
+from vla_node.backends.packed_weights import int8_weights_available
 from vla_node.bench.clips import shared_clips
 from vla_node.sim.metrics import aggregate
 from vla_node.validate import require
@@ -80,6 +82,9 @@ def settings(head: str, level_names: list[str], calibration: str) -> list[Settin
              ("compute_auto", "bf16 compute with packed weights where the CPU has it", ("model.dtype=auto",
                                                                                        "model.weights=auto")),
              ("fp16_weights", "fp16 linear weights, fp32 compute", ("model.weights=fp16",))]
+    if int8_weights_available():  # the CPU kernels' int8 linear: AVX512-VNNI (model.weights = "int8")
+        alone.append(("int8_weights", "int8 linear weights (the CPU kernels' int8 linear), bf16 compute",
+                      ("model.dtype=bf16", "model.weights=int8")))
     alone += [(f"reuse_t{t:g}", f"vision reuse, threshold {t:g}", (f"reuse.threshold={t}",)) for t in (2, 4, 8, 16)]
     alone += [("engine_ort_fp32", "ONNX Runtime, fp32", ("model.backend=onnxruntime", "model.recipe=fp32")),
               ("engine_ort_int8", "ONNX Runtime, int8-ort (dynamic int8)", ("model.backend=onnxruntime",

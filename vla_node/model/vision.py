@@ -26,8 +26,12 @@ class SiglipEmbeddings(nn.Module):
 
     def embed_patches(self, patches: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         """patches [N, T', 3*P*P] (token ids `index` [T'] or all) -> embeddings [N, T', W]."""
-        w = self.patch_embedding.weight.reshape(self.patch_embedding.out_channels, -1)  # [W, C*P*P]
-        x = F.linear(patches, w, self.patch_embedding.bias)
+        packed = self.__dict__.get("packed_patches")  # packed weights' matmul of the patch weight (packed_weights.py)
+        if packed is not None:
+            x = packed(patches)
+        else:
+            w = self.patch_embedding.weight.reshape(self.patch_embedding.out_channels, -1)  # [W, C*P*P]
+            x = F.linear(patches, w, self.patch_embedding.bias)
         pos = self.position_embedding.weight if index is None else self.position_embedding.weight[index]
         return x + pos
 
