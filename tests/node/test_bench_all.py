@@ -41,7 +41,7 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     assert all(v > 0 for v in m["ms"].values()) and set(m["accuracy_vs_fp32_reference"]) == set(m["ms"]) - {
         "reference", "peer"}
     assert m["speedup_vs_hf"] == pytest.approx(m["ms"]["peer"] / m["ms"]["ours"], rel=0.01)  # ms are rounded
-    fastest_int8 = min(m["ms"]["onnxruntime int8"], *(m["ms"][name] for name in int8))
+    fastest_int8 = min([m["ms"]["onnxruntime int8"], *(m["ms"][name] for name in int8)])
     assert m["int8_speedup_vs_hf"] == pytest.approx(m["ms"]["peer"] / fastest_int8, rel=0.01)
     assert bool(int8) == any("int8 weights" in key for key in result["stages"]["ms"])
     for a in m["accuracy_vs_fp32_reference"].values():
