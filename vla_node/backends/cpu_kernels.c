@@ -661,7 +661,7 @@ LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
 #if defined(__AVX512VNNI__)
     if (k % 4 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
     const int64_t kp = (k + 63) / 64 * 64; /* a row's codes start on a cache line */
-    const size_t bytes = (size_t)m * (size_t)kp + (size_t)m * sizeof(float) + 64;
+    const size_t bytes = (size_t)m * (size_t)kp + (size_t)m * sizeof(float); /* the codes, then the row scales */
     if (bytes > codes_capacity) {
         uint8_t *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!grown) return -3;
@@ -713,8 +713,8 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
     }
     for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE, padded = (cols + VL - 1) / VL * VL;
-        for (int64_t c = cols; c < padded; c++) scale[n0 + c] = 0.0f, sums[n0 + c] = 0;
-        for (int64_t c = 0; c < cols; c++) sums[n0 + c] = 0;
+        for (int64_t c = 0; c < padded; c++) sums[n0 + c] = 0;
+        for (int64_t c = cols; c < padded; c++) scale[n0 + c] = 0.0f;
         for (int64_t p = 0; p < k / 4; p++)
             for (int64_t c = 0; c < padded; c++)
                 for (int64_t j = 0; j < 4; j++) {

@@ -243,13 +243,8 @@ def _check_linear(lib: Kernels, generator: torch.Generator) -> None:
     packed = _pack_linear(lib, weight)
     if packed is None:
         return  # not built for this CPU: oneDNN runs the packed matmuls (linear_kernel() is None)
-    product = x.double() @ weight.double().T + bias.double()
-    for op, want in (("none", product), ("silu", F.silu(product)), ("gelu_tanh", F.gelu(product, approximate="tanh")),
-                     ("mul", product * other.bfloat16().double())):
-        got = _linear(lib, x, packed, 74, bias, op, other.bfloat16() if op == "mul" else None)
-        error = ((got.double() - want).norm() / want.norm()).item()
-        if error > 2 ** -7:
-            raise RuntimeError(f"the linear kernel's {op} differs from fp64 by {error:.2e} (relative)")
+    _check_ops("linear kernel", "fp64", x.double() @ weight.double().T + bias.double(), other,
+               lambda op, o: _linear(lib, x, packed, 74, bias, op, o))
 
 
 def _check_linear_int8(lib: Kernels, generator: torch.Generator) -> None:
@@ -261,13 +256,20 @@ def _check_linear_int8(lib: Kernels, generator: torch.Generator) -> None:
     packed = _pack_linear_int8(lib, weight)
     if packed is None:
         return  # not built for this CPU (int8_linear_kernel() is False)
-    product = quantized_product(x, weight) + bias.double()
+    _check_ops("int8 linear kernel", "its fp64 arithmetic", quantized_product(x, weight) + bias.double(), other,
+               lambda op, o: _linear_int8(lib, x, packed, 74, bias, op, o))
+
+
+def _check_ops(kernel: str, oracle: str, product: torch.Tensor, other: torch.Tensor,
+               run: Callable[[str, torch.Tensor | None], torch.Tensor]) -> None:
+    """run(op, other or None) for every linear op against `product` (fp64, the bias added) with the op applied;
+    RuntimeError beyond bf16's rounding (relative)."""
     for op, want in (("none", product), ("silu", F.silu(product)), ("gelu_tanh", F.gelu(product, approximate="tanh")),
                      ("mul", product * other.bfloat16().double())):
-        got = _linear_int8(lib, x, packed, 74, bias, op, other.bfloat16() if op == "mul" else None)
+        got = run(op, other.bfloat16() if op == "mul" else None)
         error = ((got.double() - want).norm() / want.norm()).item()
         if error > 2 ** -7:
-            raise RuntimeError(f"the int8 linear kernel's {op} differs from its fp64 arithmetic by {error:.2e}")
+            raise RuntimeError(f"the {kernel}'s {op} differs from {oracle} by {error:.2e} (relative)")
 
 
 def _check_kivi(lib: Kernels, dtype: torch.dtype, generator: torch.Generator) -> None:
@@ -384,13 +386,14 @@ def _operands(x: torch.Tensor, out_features: int, other: torch.Tensor | None
     return rows, y, other
 
 
-def _check_operands(kernel: str, k: int, out_features: int, op: str, x: torch.Tensor, bias: torch.Tensor | None,
-                    other: torch.Tensor | None) -> None:
-    """ValueError naming what a linear kernel of k -> out_features takes where x, bias or other is not that."""
+def _check_operands(lib: Kernels | None, kernel: str, k: int, out_features: int, op: str, x: torch.Tensor,
+                    bias: torch.Tensor | None, other: torch.Tensor | None) -> None:
+    """ValueError naming what a linear kernel of k -> out_features takes where it is not built (lib None) or x, bias
+    or other is not that."""
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or bias.stride(0) != 1):
         raise ValueError(f"the {kernel} ({k} -> {out_features}) takes a contiguous fp32 bias [{out_features}], got "
                          f"{bias.dtype} {tuple(bias.shape)}")
-    if (library() is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
+    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
             or (op == "mul") != (other is not None) or op not in LINEAR_OPS
             or (other is not None and (other.dtype != torch.bfloat16 or other.shape != (*x.shape[:-1], out_features)))):
         raise ValueError(f"the {kernel} ({k} -> {out_features}, {op}) takes a bf16 CPU x [..., {k}]"
@@ -444,9 +447,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     One thread, us against oneDNN on its prepacked weight (AVX512-BF16 EPYC, Zen 5), weights in cache / just read
     from memory: a tick's 17 rows x 512 -> 1536 61 / 104 against 73 / 166, 1536 -> 512 57 / 104 against 72 / 227,
     512 -> 512 22 / 61 against 35 / 132; 80 rows 253 against 277; 196 rows 651 against 669."""
+    lib = library()
     k = packed.numel() // (-(-out_features // 16) * 16)  # the packed weight's [N rounded up to 16, K]
-    _check_operands("linear kernel", k, out_features, op, x, bias, other)
-    return _linear(library(), x, packed, out_features, bias, op, other)
+    _check_operands(lib, "linear kernel", k, out_features, op, x, bias, other)
+    return _linear(lib, x, packed, out_features, bias, op, other)
 
 
 class Int8Weight(NamedTuple):
@@ -520,9 +524,10 @@ def linear_int8(x: torch.Tensor, packed: Int8Weight, out_features: int, bias: to
     rounded once to bf16: quantized_product's arithmetic. A row with a NaN or an infinity gives NaNs. One thread on
     a Zen 4 EPYC, us against the bf16 kernel: 17 rows x 512 -> 1536 69 against 126, 85 rows x 1536 -> 512 321
     against 586, 196 rows x 384 -> 1152 421 against 774 (about 410 against 225 GOP/s)."""
+    lib = library()
     k = packed.codes.numel() // packed.scale.numel()
-    _check_operands("int8 linear kernel", k, out_features, op, x, bias, other)
-    return _linear_int8(library(), x, packed, out_features, bias, op, other)
+    _check_operands(lib, "int8 linear kernel", k, out_features, op, x, bias, other)
+    return _linear_int8(lib, x, packed, out_features, bias, op, other)
 
 
 def quantized_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

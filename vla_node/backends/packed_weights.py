@@ -168,11 +168,9 @@ class PackedMatmul:
         self.int8 = int8 and cpu_kernels.int8_linear_fits(weight)
         self.kernel = self.int8 or (kernel_matmuls() and cpu_kernels.linear_fits(weight))
         with torch.no_grad():
-            if self.int8:
-                self.weight = cpu_kernels.pack_linear_int8(weight.detach())
-                self.bias = None if bias is None else bias.detach().float()
-            elif self.kernel:
-                self.weight = cpu_kernels.pack_linear(weight.detach())
+            if self.kernel:
+                pack = cpu_kernels.pack_linear_int8 if self.int8 else cpu_kernels.pack_linear
+                self.weight = pack(weight.detach())
                 self.bias = None if bias is None else bias.detach().float()
             else:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque

@@ -45,7 +45,6 @@ from pathlib import Path
 import numpy as np
 
 from vla_node.backends import cpu_features
-from vla_node.backends.packed_weights import int8_weights_available
 from vla_node.bench.clips import shared_clips
 from vla_node.sim.metrics import aggregate
 from vla_node.validate import require
@@ -74,6 +73,8 @@ class Setting:
 
 def settings(head: str, level_names: list[str], calibration: str) -> list[Setting]:
     """The configurations for `head`; level_names: the node's levels that run inference, normal first."""
+    from vla_node.backends.packed_weights import int8_weights_available
+
     out = [Setting("reference", "every optimisation off", REFERENCE),
            Setting("reference_repeat", "the same again (run-to-run spread)", REFERENCE, offline=False),
            Setting("defaults", "launch/sim.toml as it is", ())]

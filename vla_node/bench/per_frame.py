@@ -209,7 +209,8 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     for key, node_config in eager.items():
         backends[f"torch {path_name(node_config)}"] = eager_policy(node_config)
     if eager[dtype].model.resolved_dtype == "bf16" and int8_weights_available():  # its ms alone: no int8 floor
-        backends[f"torch {path_name(int8_config(eager[dtype]))}"] = eager_policy(int8_config(eager[dtype]))
+        int8 = int8_config(eager[dtype])
+        backends[f"torch {path_name(int8)}"] = eager_policy(int8)
     c = next(iter(backends.values())).config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     for recipe in ("fp32", "int8-ort"):
