@@ -46,9 +46,16 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     assert bool(int8) == any("int8 weights" in key for key in result["stages"]["ms"])
     for a in m["accuracy_vs_fp32_reference"].values():
         assert 0 <= a["bins_agreement"] <= 1 and 0 <= a["logit_rel_err_mean"] <= a["logit_rel_err_max"]
-    assert m["floor"]["stage"] == "reuse_frame" and m["floor"]["floor_ms"] > 0
+    assert ("int8_floor" in m) == bool(int8)  # ours int8 against the floor with int8 weights
+    for key, name in (("floor", "ours"), ("int8_floor", "ours int8"))[: 1 + len(int8)]:
+        f = m[key]
+        assert f["stage"] == "reuse_frame" and f["floor_ms"] > 0 and f["refreshed"] >= 1
+        assert f["ratio_to_floor"] == pytest.approx(m["ms"][name] / f["floor_ms"], rel=0.01)
+        assert ("attention_gflops" in f) == (key == "int8_floor")  # int8: the attention at bf16's rate
     floors = result["stages"]["floor"]
     assert {k.rsplit(": ", 1)[1] for k in floors} == {"tick", "frame"}
+    assert {k for k in floors if "int8 weights" in k} == {k for k in result["stages"]["ms"]
+                                                          if k.startswith("torch") and "int8 weights" in k}
     for key, f in floors.items():
         assert f["ratio_to_floor"] == round(result["stages"]["ms"][key] / f["floor_ms"], 2)
     assert set(result["targets"]) == set(suite.TARGETS)
@@ -58,8 +65,8 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     assert node["frames_sent"] >= 30 and node["frames_processed"] > 0 and 0 < node["startup_s"] < 300
     assert result["targets"]["startup_s"]["value"] == node["startup_s"]
     md = (tmp_path / "bench" / "bench.md").read_text()
-    for section in ("## Machine", "## Targets", "## Per frame on the clip", "## Stages against their floor",
-                    "## Node:", "How it is counted"):
+    for section in ("## Machine", "## Targets", "## Per frame on the clip", "floor of a reuse frame",
+                    "## Stages against their floor", "## Node:", "How it is counted"):
         assert section in md
     assert all(name in md for name in suite.TARGETS)
     page = _Svgs()

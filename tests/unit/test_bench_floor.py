@@ -193,3 +193,45 @@ def test_the_matrix_rate_takes_the_fastest_way_the_machine_multiplies():
     assert set(_matmuls(x.float(), w.float())) == {"F.linear"}
     rate = measure_matrix_rate([(20, 64, 48, 3)], torch.bfloat16, repeats=1)
     assert rate["per_shape"][0]["by"] in ways and rate["gflops"] > 0
+
+
+def test_with_int8_weights_the_int8_linear_is_one_of_the_ways():
+    """int8 weights: the kernels' int8 linear is timed beside the bf16 ways where it runs and takes the weight (K a
+    multiple of 4); it computes the product within its quantization error."""
+    from vla_node.backends import cpu_kernels
+    from vla_node.bench.floor import _matmuls
+
+    x, w = torch.randn(20, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    ways = _matmuls(x, w, int8=True)
+    assert set(ways) == set(_matmuls(x, w)) | ({"cpu_kernels.linear_int8"} if cpu_kernels.int8_linear_kernel()
+                                               else set())
+    assert "cpu_kernels.linear_int8" not in _matmuls(x[:, :62], w[:, :62], int8=True)  # K = 62: not on that kernel
+    exact = F.linear(x.double(), w.double())
+    with torch.inference_mode():
+        for fn in ways.values():
+            assert torch.linalg.vector_norm(fn().double() - exact) / torch.linalg.vector_norm(exact) < 0.02
+    if cpu_kernels.int8_linear_kernel():
+        rate = measure_matrix_rate([(20, 64, 48, 1)], torch.bfloat16, repeats=1, int8=True)
+        assert rate["per_shape"][0]["by"] in ways and rate["gflops"] > 0
+
+
+def test_the_attention_can_count_at_its_own_rate():
+    work = stage_work(preset("tiny"), "frame")
+    split = floor_ms(work, 2.0, 1e9, 1, 2, attention_rate_gflops=1.0)
+    assert split["compute_ms"] == pytest.approx((work.gemm_flops / 2.0 + work.attention_flops / 1.0) / 1e6)
+    assert floor_ms(work, 2.0, 1e9, 1, 2)["compute_ms"] == pytest.approx(work.flops / 2.0 / 1e6)
+    with pytest.raises(ValueError, match="attention_rate_gflops nan"):
+        floor_ms(work, 2.0, 1e9, 1, 2, attention_rate_gflops=float("nan"))
+
+
+def test_the_int8_floor_counts_one_byte_per_weight_and_names_the_attention_rate():
+    from vla_node.backends import cpu_kernels
+
+    with pytest.raises(ValueError, match="int8 weights with dtype torch.float32: expected torch.bfloat16"):
+        measure_floor(preset("tiny"), "tick", torch.float32, 1, 2, int8_weights=True, repeats=1)
+    if not cpu_kernels.int8_linear_kernel():
+        pytest.skip(f"the int8 linear kernel does not run here ({cpu_kernels.status()})")
+    int8 = measure_floor(preset("tiny"), "tick", torch.bfloat16, 1, 2, int8_weights=True, repeats=1)
+    bf16 = measure_floor(preset("tiny"), "tick", torch.bfloat16, 2, 2, repeats=1)
+    assert json.loads(json.dumps(int8)) == int8 and "attention_gflops" not in bf16
+    assert int8["attention_gflops"] > 0 and int8["weight_mb"] == pytest.approx(bf16["weight_mb"] / 2, rel=1e-3)

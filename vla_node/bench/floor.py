@@ -24,6 +24,11 @@ The floor is a roofline: the larger of FLOPs (attention included) / the matrix r
 shapes and dtype (each shape the fastest way the machine has: F.linear, or in bf16 on a CPU the oneDNN matmul on
 a prepacked weight and, where it is built, the fused CPU kernels' linear, as the node's packed weights run), and
 bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB).
+
+With int8 weights (`weights = "int8"`: bf16 compute, weights one byte per element, their per-column scales and code
+sums not counted), each GEMM shape is timed on the CPU kernels' int8 linear too (its activations quantized per row
+as they come, inside the timed call) and the fastest way counts; the attention FLOPs, which stay bf16, count at the
+bf16 rate of the same shapes: compute = GEMM FLOPs / int8 rate + attention FLOPs / bf16 rate.
 """
 
 from __future__ import annotations
@@ -183,11 +188,12 @@ def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) 
     return min(loop(calls) for _ in range(max(1, repeats)))
 
 
-def _matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+def _matmuls(x: torch.Tensor, w: torch.Tensor, int8: bool = False) -> dict[str, Callable[[], object]]:
     """The ways this machine multiplies x [M, K] by w [N, K]^T at their dtype: F.linear, and on a CPU where oneDNN
     runs bf16 in hardware the matmul on a prepacked weight (F.linear reorders a bf16 weight on every call: at a
     tick's 20 rows about half the prepacked matmul's rate on an AMX Xeon), and where it is built the fused CPU
-    kernels' bf16 linear on its packed tiles (backends/cpu_kernels.linear)."""
+    kernels' bf16 linear on its packed tiles (backends/cpu_kernels.linear); with `int8` (bf16 x and w) also the
+    kernels' int8 linear on w quantized per column, where it runs and takes w (cpu_kernels.linear_int8)."""
     ways: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, w)}
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         from vla_node.backends import cpu_kernels
@@ -199,18 +205,23 @@ def _matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]
         if cpu_kernels.linear_kernel() and cpu_kernels.linear_fits(w):
             tiles = cpu_kernels.pack_linear(w)
             ways["cpu_kernels.linear"] = lambda: cpu_kernels.linear(x, tiles, w.shape[0], None)
+        if int8 and cpu_kernels.int8_linear_kernel() and cpu_kernels.int8_linear_fits(w):
+            codes = cpu_kernels.pack_linear_int8(w)
+            ways["cpu_kernels.linear_int8"] = lambda: cpu_kernels.linear_int8(x, codes, w.shape[0], None)
     return ways
 
 
-def measure_matrix_rate(gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu") -> dict:
+def measure_matrix_rate(gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu",
+                        int8: bool = False) -> dict:
     """Every distinct GEMM shape timed at `dtype` the fastest way this machine has (_matmuls: F.linear, a prepacked
-    weight); gflops: all the stage's GEMM FLOPs over their total time (each shape's best time x its count)."""
+    weight, the CPU kernels; with `int8` their int8 linear too); gflops: all the stage's GEMM FLOPs over their total
+    time (each shape's best time x its count)."""
     device = torch.device(device)
     per_shape, total_flops, total_s = [], 0, 0.0
     for m, k, n, count in gemms:
         x = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(n, k, device=device).to(dtype)
-        timed = {way: _best_seconds(fn, repeats, device) for way, fn in _matmuls(x, w).items()}
+        timed = {way: _best_seconds(fn, repeats, device) for way, fn in _matmuls(x, w, int8).items()}
         way = min(timed, key=timed.get)
         seconds = timed[way]
         flops = 2 * m * k * n
@@ -231,12 +242,15 @@ def measure_bandwidth(nbytes: int, repeats: int = 5, device: str | torch.device 
 
 
 def floor_ms(work: StageWork, rate_gflops: float, bandwidth_gbs: float, weight_bytes_per_element: float,
-             kv_bytes_per_element: float) -> dict:
-    """Roofline: compute_ms = FLOPs / rate, memory_ms = (weight + K/V bytes) / bandwidth; the floor is the larger."""
-    for name, value in (("rate_gflops", rate_gflops), ("bandwidth_gbs", bandwidth_gbs)):
+             kv_bytes_per_element: float, attention_rate_gflops: float | None = None) -> dict:
+    """Roofline: compute_ms = GEMM FLOPs / rate + attention FLOPs / attention rate (default the same rate),
+    memory_ms = (weight + K/V bytes) / bandwidth; the floor is the larger."""
+    attention_rate = rate_gflops if attention_rate_gflops is None else attention_rate_gflops
+    for name, value in (("rate_gflops", rate_gflops), ("bandwidth_gbs", bandwidth_gbs),
+                        ("attention_rate_gflops", attention_rate)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} {value!r}: expected a finite number > 0")
-    compute_ms = work.flops / rate_gflops / 1e6
+    compute_ms = (work.gemm_flops / rate_gflops + work.attention_flops / attention_rate) / 1e6
     nbytes = work.weight_bytes(weight_bytes_per_element) + work.kv_bytes(kv_bytes_per_element)
     memory_ms = nbytes / bandwidth_gbs / 1e6
     return {"compute_ms": compute_ms, "memory_ms": memory_ms, "floor_ms": max(compute_ms, memory_ms),
@@ -249,15 +263,21 @@ def _sig(x: float, digits: int = 4) -> float:
 
 def measure_floor(config: ModelConfig, stage: str, dtype: torch.dtype, weight_bytes_per_element: float,
                   kv_bytes_per_element: float, refreshed: int | None = None, *, repeats: int = 5,
-                  device: str | torch.device = "cpu") -> dict:
-    """stage_work, the matrix rate for its shapes at `dtype`, the bandwidth over its bytes, and the floor (JSON)."""
+                  device: str | torch.device = "cpu", int8_weights: bool = False) -> dict:
+    """stage_work, the matrix rate for its shapes at `dtype`, the bandwidth over its bytes, and the floor (JSON).
+    `int8_weights` (bf16 only): the GEMMs at the rate with the int8 linear among the ways, the attention at bf16's
+    (the module docstring); JSON's attention_gflops then names that rate."""
+    if int8_weights and dtype != torch.bfloat16:
+        raise ValueError(f"int8 weights with dtype {dtype}: expected torch.bfloat16 (int8 weights compute in bf16)")
     work = stage_work(config, stage, refreshed)
     weight_bytes, kv_bytes = work.weight_bytes(weight_bytes_per_element), work.kv_bytes(kv_bytes_per_element)
-    rate = measure_matrix_rate(work.gemms, dtype, repeats, device)["gflops"]
+    rate = measure_matrix_rate(work.gemms, dtype, repeats, device, int8_weights)["gflops"]
+    attention_rate = measure_matrix_rate(work.gemms, dtype, repeats, device)["gflops"] if int8_weights else rate
     bandwidth = measure_bandwidth(int(weight_bytes + kv_bytes), repeats, device)
-    floor = floor_ms(work, rate, bandwidth, weight_bytes_per_element, kv_bytes_per_element)
+    floor = floor_ms(work, rate, bandwidth, weight_bytes_per_element, kv_bytes_per_element, attention_rate)
     figures = dict(gflop=work.flops / 1e9, attention_gflop=work.attention_flops / 1e9, weight_mb=weight_bytes / 1e6,
                    kv_mb=kv_bytes / 1e6, matrix_gflops=rate, bandwidth_gbs=bandwidth,
+                   **({"attention_gflops": attention_rate} if int8_weights else {}),
                    **{key: floor[key] for key in ("compute_ms", "memory_ms", "floor_ms")})
     return {"stage": stage, "model": config.name, "dtype": str(dtype).removeprefix("torch."), "refreshed": refreshed,
             **{key: _sig(value) for key, value in figures.items()}, "bound": floor["bound"], "counted": work.describe()}

@@ -22,11 +22,12 @@ speedup_vs_hf = peer ms / ours ms (medians over the frames after the first, whic
 contender); int8_speedup_vs_hf the same for the faster int8 contender.
 
 The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refreshed token count: peer_over_floor is
-the most speedup_vs_hf any implementation could show on this machine at this dtype.
+the most speedup_vs_hf any implementation could show on this machine at this dtype; int8_floor the same with int8
+weights (against ours int8).
 
 Stages (one frame, interleaved rounds): the action tick and the full-refresh frame with its tick, per backend (the
-eager policy at the compute dtype and in fp32, ONNX Runtime fp32 and int8-ort), and each eager stage's floor
-(bench/floor.py) at its dtype: ratio_to_floor = stage ms / floor ms.
+eager policy at the compute dtype, in fp32 and with int8 weights where they run, ONNX Runtime fp32 and int8-ort), and
+each eager stage's floor (bench/floor.py) at its dtype and weights: ratio_to_floor = stage ms / floor ms.
 """
 
 from __future__ import annotations
@@ -168,14 +169,21 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
             bar.update()
     reuse_mean = float(np.mean(gated["ours"].reuse[1:]))
     refreshed = max(1, round((1 - reuse_mean) * c.tokens_per_frame))
-    floor = measure_floor(c, "reuse_frame", torch_dtype, _weight_bytes(ours_config), BYTES[torch_dtype], refreshed)
     ms = {name: statistics.median(g.ms[1:]) for name, g in gated.items()}
     ms.update({name: statistics.median(values[1:]) for name, values in timed.items()})
+
+    def floor(name: str, weights: NodeConfig) -> dict:  # reuse_frame's at `refreshed`, against `name`'s time
+        f = measure_floor(c, "reuse_frame", torch_dtype, _weight_bytes(weights), BYTES[torch_dtype], refreshed,
+                          int8_weights=weights.model.weight_format == "int8")
+        return {**f, "ratio_to_floor": round(ms[name] / f["floor_ms"], 2),
+                "peer_over_floor": round(ms["peer"] / f["floor_ms"], 2)}
+
+    floors = {"floor": floor("ours", ours_config)}
+    if "ours int8" in gated:
+        floors["int8_floor"] = floor("ours int8", int8_config(ours_config))
     return {"frames": len(frames), "path": path_name(ours_config), "compute_dtype": ours_config.model.resolved_dtype,
             "ms": {k: round(v, 2) for k, v in ms.items()},
-            "reuse_ratio_mean": round(reuse_mean, 3),
-            "floor": {**floor, "ratio_to_floor": round(ms["ours"] / floor["floor_ms"], 2),
-                      "peer_over_floor": round(ms["peer"] / floor["floor_ms"], 2)},
+            "reuse_ratio_mean": round(reuse_mean, 3), **floors,
             "speedup_vs_hf": round(ms["peer"] / ms["ours"], 2),
             "speedup_vs_reference": round(ms["reference"] / ms["ours"], 2),
             "int8_speedup_vs_hf": round(ms["peer"] / min(ms[name] for name in gated if "int8" in name), 2),
@@ -200,17 +208,13 @@ def _stage_cases(policy: MultiRatePolicy, image: np.ndarray, state: np.ndarray, 
 
 def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype: str, rounds: int = 8) -> dict:
     """The tick and the full-refresh frame (with its tick) per backend, interleaved round by round, and each eager
-    stage against its floor at its own dtype (the int8 weights' stages without one: the floor times bf16 and fp32
-    matmuls)."""
-    eager = {dtype: compute_config(config, dtype)}
-    if eager[dtype].model.resolved_dtype != "fp32":
-        eager["fp32"] = compute_config(config, "fp32")
-    backends: dict[str, MultiRatePolicy] = {}
-    for key, node_config in eager.items():
-        backends[f"torch {path_name(node_config)}"] = eager_policy(node_config)
-    if eager[dtype].model.resolved_dtype == "bf16" and int8_weights_available():  # its ms alone: no int8 floor
-        int8 = int8_config(eager[dtype])
-        backends[f"torch {path_name(int8)}"] = eager_policy(int8)
+    stage against its floor at its own dtype and weights (bench/floor.py)."""
+    eager = [compute_config(config, dtype)]
+    if eager[0].model.resolved_dtype != "fp32":
+        eager.append(compute_config(config, "fp32"))
+    if eager[0].model.resolved_dtype == "bf16" and int8_weights_available():
+        eager.append(int8_config(eager[0]))
+    backends: dict[str, MultiRatePolicy] = {f"torch {path_name(e)}": eager_policy(e) for e in eager}
     c = next(iter(backends.values())).config
     plain = load_model(c, "plain", config.model.checkpoint, config.model.seed)
     for recipe in ("fp32", "int8-ort"):
@@ -227,11 +231,12 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
             samples[key].append((time.perf_counter_ns() - t0) / 1e6)
     ms = {f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in samples.items()}
     floors = {}
-    for key, node_config in eager.items():
+    for node_config in eager:
         backend = f"torch {path_name(node_config)}"
         compute = dtype_named(node_config.model.resolved_dtype)
         for stage in ("tick", "frame"):
-            floor = measure_floor(c, stage, compute, _weight_bytes(node_config), BYTES[compute])
+            floor = measure_floor(c, stage, compute, _weight_bytes(node_config), BYTES[compute],
+                                  int8_weights=node_config.model.weight_format == "int8")
             floor["stage_ms"] = ms[f"{backend}: {stage}"]
             floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
             floors[f"{backend}: {stage}"] = floor

@@ -45,7 +45,13 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
                         *((name, ms[name], round(ms["peer"] / ms[name], 2)) for name in ms)])
                 + [""] + _table([("accuracy vs the fp32 reference", "logit rel. err. mean", "max", "bins agreement"),
                                  *((name, a["logit_rel_err_mean"], a["logit_rel_err_max"], a["bins_agreement"])
-                                   for name, a in m["accuracy_vs_fp32_reference"].items())])))
+                                   for name, a in m["accuracy_vs_fp32_reference"].items())])
+                + [""] + _table([("floor of a reuse frame", "refreshed tokens", "GFLOP", "matrix GFLOP/s", "floor ms",
+                                  "bound", "contender", "ratio to floor", "peer / floor"),
+                                 *((key.replace("_", " "), f["refreshed"], f["gflop"], f["matrix_gflops"],
+                                    f["floor_ms"], f["bound"], "ours int8" if key == "int8_floor" else "ours",
+                                    f["ratio_to_floor"], f["peer_over_floor"])
+                                   for key, f in m.items() if key in ("floor", "int8_floor"))])))
     out.append(("Stages by backend (ms, median of interleaved rounds)",
                 _table([("backend: stage", "ms"), *s["ms"].items()])))
     out.append(("Stages against their floor",
