@@ -49,7 +49,7 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     assert ("int8_floor" in m) == bool(int8)  # ours int8 against the floor with int8 weights
     for key, name in (("floor", "ours"), ("int8_floor", "ours int8"))[: 1 + len(int8)]:
         f = m[key]
-        assert f["stage"] == "reuse_frame" and f["floor_ms"] > 0 and f["refreshed"] >= 1
+        assert f["stage"] == "reuse_frame" and f["floor_ms"] > 0 and f["refreshed"] >= 1 and f["contender"] == name
         assert f["ratio_to_floor"] == pytest.approx(m["ms"][name] / f["floor_ms"], rel=0.01)
         assert ("attention_gflops" in f) == (key == "int8_floor")  # int8: the attention at bf16's rate
     floors = result["stages"]["floor"]

@@ -48,6 +48,7 @@ from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
 from vla_node.config import NodeConfig
 from vla_node.kv.dtypes import torch_dtype as dtype_named
 from vla_node.model.action_head import ActionChunk
+from vla_node.model.config import ModelConfig
 from vla_node.node.policies import build_policies, engine_set
 from vla_node.progress import Progress
 from vla_node.runtime.engine_policy import EnginePolicy
@@ -83,10 +84,13 @@ def compute_config(config: NodeConfig, dtype: str) -> NodeConfig:
     return config.replace(model=dataclasses.replace(config.model, dtype=dtype, backend="torch", fallback=()))
 
 
-def _weight_bytes(config: NodeConfig) -> int:
-    """Bytes per linear-weight element of the launch file's path (plain: its compute dtype's)."""
+def path_floor(c: ModelConfig, stage: str, config: NodeConfig, refreshed: int | None = None) -> dict:
+    """measure_floor of `stage` for the path `config` runs: its compute dtype, its linear weights' bytes per element
+    (plain: the compute dtype's) and, with int8 weights, the int8 linear's rate."""
     s = config.model
-    return WEIGHT_BYTES[s.weight_format] or BYTES[dtype_named(s.resolved_dtype)]
+    compute = dtype_named(s.resolved_dtype)
+    return measure_floor(c, stage, compute, WEIGHT_BYTES[s.weight_format] or BYTES[compute], BYTES[compute],
+                         refreshed, int8_weights=s.weight_format == "int8")
 
 
 def path_name(config: NodeConfig) -> str:
@@ -173,9 +177,8 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     ms.update({name: statistics.median(values[1:]) for name, values in timed.items()})
 
     def floor(name: str, weights: NodeConfig) -> dict:  # reuse_frame's at `refreshed`, against `name`'s time
-        f = measure_floor(c, "reuse_frame", torch_dtype, _weight_bytes(weights), BYTES[torch_dtype], refreshed,
-                          int8_weights=weights.model.weight_format == "int8")
-        return {**f, "ratio_to_floor": round(ms[name] / f["floor_ms"], 2),
+        f = path_floor(c, "reuse_frame", weights, refreshed)
+        return {**f, "contender": name, "ratio_to_floor": round(ms[name] / f["floor_ms"], 2),
                 "peer_over_floor": round(ms["peer"] / f["floor_ms"], 2)}
 
     floors = {"floor": floor("ours", ours_config)}
@@ -233,10 +236,8 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     floors = {}
     for node_config in eager:
         backend = f"torch {path_name(node_config)}"
-        compute = dtype_named(node_config.model.resolved_dtype)
         for stage in ("tick", "frame"):
-            floor = measure_floor(c, stage, compute, _weight_bytes(node_config), BYTES[compute],
-                                  int8_weights=node_config.model.weight_format == "int8")
+            floor = path_floor(c, stage, node_config)
             floor["stage_ms"] = ms[f"{backend}: {stage}"]
             floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
             floors[f"{backend}: {stage}"] = floor

@@ -49,7 +49,7 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
                 + [""] + _table([("floor of a reuse frame", "refreshed tokens", "GFLOP", "matrix GFLOP/s", "floor ms",
                                   "bound", "contender", "ratio to floor", "peer / floor"),
                                  *((key.replace("_", " "), f["refreshed"], f["gflop"], f["matrix_gflops"],
-                                    f["floor_ms"], f["bound"], "ours int8" if key == "int8_floor" else "ours",
+                                    f["floor_ms"], f["bound"], f["contender"],
                                     f["ratio_to_floor"], f["peer_over_floor"])
                                    for key, f in m.items() if key in ("floor", "int8_floor"))])))
     out.append(("Stages by backend (ms, median of interleaved rounds)",
