@@ -56,3 +56,17 @@ def trained_tiny(tmp_path_factory, pytestconfig) -> tuple[Path, dict]:
     state = train(TrainConfig(**TRAINED_TINY, **parallel), path, progress=False)
     torch.set_num_threads(1)  # training took every core; the other tests keep to one
     return path, state
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """backends/cpu_kernels.library() rebuilt from scratch into tmp_path; the process's own cached one restored
+    afterwards."""
+    from vla_node.backends import cpu_kernels
+
+    monkeypatch.setenv("VLA_NODE_KERNEL_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu_kernels.library.cache_clear()
+    cpu_kernels.library()

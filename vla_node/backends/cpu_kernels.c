@@ -10,6 +10,33 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+/* The linear kernels split a matmul's column tiles, the attention its kv heads, among `threads` threads of
+ * OpenMP's team: built with -fopenmp, this library takes the libgomp.so.1 torch has loaded already (the same soname),
+ * so its threads are torch's intra-op threads and nothing else spins beside them. Each thread computes its items
+ * exactly as one thread would: the results do not depend on the thread count. Built without OpenMP, every call runs
+ * on its caller. */
+typedef void (*part_task)(const void *call, int64_t first, int64_t last); /* items [first, last) */
+#define THREADED_MIN_MACS (1 << 21) /* a call of fewer multiply-adds (about 9 us on one thread) runs on one */
+
+static void run_parts(part_task task, const void *call, int64_t items, int64_t threads) {
+#if defined(_OPENMP)
+    if (threads > items) threads = items;
+    if (threads > 1) {
+#pragma omp parallel num_threads((int)threads)
+        {
+            const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
+            task(call, items * part / parts, items * (part + 1) / parts);
+        }
+        return;
+    }
+#endif
+    (void)threads;
+    task(call, 0, items);
+}
 
 static inline float load_f32(const float *p) { return *p; }
 static inline void store_f32(float *p, float v) { *p = v; }
@@ -284,14 +311,15 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
 #define ATTENTION_SIGNATURE(NAME, T)                                                                       \
     int NAME(const T *q, int64_t q_head, int64_t q_row, const T *k, const T *v, int64_t kv_head, int64_t kv_row, \
              const float *bias, int64_t bias_row, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,  \
-             int64_t dim, float scale, T *out, int64_t out_head, int64_t out_row)
+             int64_t dim, float scale, T *out, int64_t out_head, int64_t out_row, int64_t threads)
 #define LINEAR_SIGNATURE(NAME, T)                                                                          \
     int NAME(const T *x, int64_t m, int64_t ldx, const T *packed, int64_t n, int64_t k, const float *bias, int op, \
-             const T *other, int64_t ldo, T *y, int64_t ldy)
+             const T *other, int64_t ldo, T *y, int64_t ldy, int64_t threads)
 #define PACK_LINEAR_SIGNATURE(NAME, T) int NAME(const T *w, int64_t n, int64_t k, T *packed)
 #define LINEAR_S8_SIGNATURE(NAME, T)                                                                       \
     int NAME(const T *x, int64_t m, int64_t ldx, const int8_t *packed, const float *scale, const int32_t *sums,  \
-             int64_t n, int64_t k, const float *bias, int op, const T *other, int64_t ldo, T *y, int64_t ldy)
+             int64_t n, int64_t k, const float *bias, int op, const T *other, int64_t ldo, T *y, int64_t ldy,      \
+             int64_t threads)
 #define PACK_LINEAR_S8_SIGNATURE(NAME, T) \
     int NAME(const T *w, int64_t n, int64_t k, int8_t *packed, float *scale, int32_t *sums)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -385,16 +413,38 @@ static inline __attribute__((always_inline)) void pv_columns(
     }
 }
 
-ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
+/* An attention call, for the threads that share its kv heads. */
+struct attention_call {
+    const uint16_t *q, *k, *v;
+    int64_t q_head, q_row, kv_head, kv_row;
+    const float *bias;
+    int64_t bias_row, heads, kv_heads, rows, keys, dim;
+    float scale;
+    uint16_t *out;
+    int64_t out_head, out_row;
+    int *failed; /* set where a thread's workspace could not be allocated */
+};
+
+static void attention_heads(const void *arg, int64_t first, int64_t last) { /* kv heads [first, last) */
+    const struct attention_call *call = arg;
+    const uint16_t *q = call->q, *k = call->k, *v = call->v;
+    const int64_t q_head = call->q_head, q_row = call->q_row, kv_head = call->kv_head, kv_row = call->kv_row;
+    const float *bias = call->bias, scale = call->scale;
+    const int64_t bias_row = call->bias_row, heads = call->heads, kv_heads = call->kv_heads, rows = call->rows;
+    const int64_t keys = call->keys, dim = call->dim, out_head = call->out_head, out_row = call->out_row;
+    uint16_t *out = call->out;
     const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2, group = heads / kv_heads;
     char *work = attention_work((size_t)(pairs * kp * 4 + kp / 2 * dim * 4 + ROW_BLOCK * (kp * 6 + pairs * 4)));
-    if (!work) return -1;
+    if (!work) {
+        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
     uint32_t *kt = (uint32_t *)work;                 /* [pairs, kp]: K's (d, d+1) pairs, key-major per pair */
     uint32_t *vp = kt + pairs * kp;                  /* [kp / 2, dim]: V's rows 2i and 2i+1 interleaved */
     float *logits = (float *)(vp + kp / 2 * dim);    /* [ROW_BLOCK, kp] */
     uint16_t *p = (uint16_t *)(logits + ROW_BLOCK * kp); /* [ROW_BLOCK, kp] bf16 */
     uint32_t *qs = (uint32_t *)(p + ROW_BLOCK * kp); /* [ROW_BLOCK, pairs] */
-    for (int64_t hk = 0; hk < kv_heads; hk++) {
+    for (int64_t hk = first; hk < last; hk++) {
         const uint16_t *kh = k + hk * kv_head, *vh = v + hk * kv_head;
         for (int64_t j = 0; j < kp; j++) {
             const uint16_t *kj = kh + j * kv_row;
@@ -453,7 +503,16 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
                 pv_columns(1, p, kp, vp, dim, c, out, out_head, out_row, i0, block, hk, group, rows);
         }
     }
-    return 0;
+}
+
+ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
+    int failed = 0;
+    const struct attention_call call = {.q = q, .k = k, .v = v, .q_head = q_head, .q_row = q_row, .kv_head = kv_head,
+                                        .kv_row = kv_row, .bias = bias, .bias_row = bias_row, .heads = heads,
+                                        .kv_heads = kv_heads, .rows = rows, .keys = keys, .dim = dim, .scale = scale,
+                                        .out = out, .out_head = out_head, .out_row = out_row, .failed = &failed};
+    run_parts(attention_heads, &call, kv_heads, heads * rows * keys * dim * 2 >= THREADED_MIN_MACS ? threads : 1);
+    return failed ? -1 : 0;
 }
 
 /* The bf16 linear: y [m, n] = op(x [m, k] W^T + bias), W packed by vla_pack_linear_bf16 into tiles of up to
@@ -532,10 +591,35 @@ static inline __attribute__((always_inline)) void linear_block(
         LINEAR_CASE(6, V) LINEAR_CASE(7, V) LINEAR_CASE(8, V) LINEAR_CASE(9, V)                                \
     }
 
-LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
-    if (k % 2 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
+/* A linear kernel's call, for the threads that share its column tiles (the int8 kernel's fields last). */
+struct linear_call {
+    const uint16_t *x;
+    int64_t m, ldx;
+    const void *packed;
+    int64_t n, k;
+    const float *bias;
+    int op;
+    const uint16_t *other;
+    int64_t ldo;
+    uint16_t *y;
+    int64_t ldy;
+    const float *scale;      /* per column */
+    const int32_t *sums;     /* per column */
+    const uint8_t *codes;    /* x's rows quantized, kp apart */
+    int64_t kp;
+    const float *row_scale;
+};
+
+static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
+    const struct linear_call *call = arg;
+    const uint16_t *x = call->x, *other = call->other, *packed = call->packed;
+    const int64_t m = call->m, ldx = call->ldx, k = call->k, ldo = call->ldo, ldy = call->ldy;
+    const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
+    const float *bias = call->bias;
+    const int op = call->op;
+    uint16_t *y = call->y;
     const int64_t blocks = (m + LINEAR_ROWS - 1) / LINEAR_ROWS; /* row blocks as even as they go: 17 -> 9 + 8 */
-    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+    for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
         const int vectors = (int)((cols + VL - 1) / VL);
         const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
@@ -560,6 +644,14 @@ LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
             r0 += rows;
         }
     }
+}
+
+LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
+    if (k % 2 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
+    const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
+                                     .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy};
+    const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
+    run_parts(linear_bf16_tiles, &call, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 }
 
@@ -657,23 +749,20 @@ static float quantize_row(const uint16_t *x, int64_t k, uint8_t *codes) {
         LINEAR_S8_CASE(9, V)                                                                                   \
     }
 
-LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
 #if defined(__AVX512VNNI__)
-    if (k % 4 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
-    const int64_t kp = (k + 63) / 64 * 64; /* a row's codes start on a cache line */
-    const size_t bytes = (size_t)m * (size_t)kp + (size_t)m * sizeof(float); /* the codes, then the row scales */
-    if (bytes > codes_capacity) {
-        uint8_t *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!grown) return -3;
-        free(codes_workspace);
-        codes_workspace = grown;
-        codes_capacity = bytes;
-    }
-    uint8_t *codes = codes_workspace;
-    float *row_scale = (float *)(codes + (size_t)m * (size_t)kp);
-    for (int64_t r = 0; r < m; r++) row_scale[r] = quantize_row(x + r * ldx, k, codes + r * kp);
+static void linear_s8_tiles(const void *arg, int64_t first, int64_t last) {
+    const struct linear_call *call = arg;
+    const uint8_t *codes = call->codes;
+    const uint16_t *other = call->other;
+    const int8_t *packed = call->packed;
+    const int64_t m = call->m, k = call->k, kp = call->kp, ldo = call->ldo, ldy = call->ldy;
+    const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
+    const float *bias = call->bias, *scale = call->scale, *row_scale = call->row_scale;
+    const int32_t *sums = call->sums;
+    const int op = call->op;
+    uint16_t *y = call->y;
     const int64_t blocks = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
-    for (int64_t n0 = 0; n0 < n; n0 += LINEAR_TILE) {
+    for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
         const int vectors = (int)((cols + VL - 1) / VL);
         const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
@@ -697,6 +786,29 @@ LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
             r0 += rows;
         }
     }
+}
+#endif
+
+LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
+#if defined(__AVX512VNNI__)
+    if (k % 4 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
+    const int64_t kp = (k + 63) / 64 * 64; /* a row's codes start on a cache line */
+    const size_t bytes = (size_t)m * (size_t)kp + (size_t)m * sizeof(float); /* the codes, then the row scales */
+    if (bytes > codes_capacity) {
+        uint8_t *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!grown) return -3;
+        free(codes_workspace);
+        codes_workspace = grown;
+        codes_capacity = bytes;
+    }
+    uint8_t *codes = codes_workspace;
+    float *row_scale = (float *)(codes + (size_t)m * (size_t)kp);
+    for (int64_t r = 0; r < m; r++) row_scale[r] = quantize_row(x + r * ldx, k, codes + r * kp);
+    const struct linear_call call = {.m = m, .packed = packed, .n = n, .k = k, .bias = bias, .op = op,
+                                     .other = other, .ldo = ldo, .y = y, .ldy = ldy, .scale = scale, .sums = sums,
+                                     .codes = codes, .kp = kp, .row_scale = row_scale};
+    const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
+    run_parts(linear_s8_tiles, &call, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 #else
     return -2;

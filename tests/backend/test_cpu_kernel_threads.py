@@ -1,0 +1,110 @@
+"""The fused CPU kernels on torch's intra-op threads (backends/cpu_kernels.c: run_parts): the linear kernels split a
+matmul's column tiles, the attention its kv heads, among torch.get_num_threads() threads, each part computed as one
+thread computes it, so every thread count gives one thread's bits; the library shares torch's OpenMP runtime (one
+libgomp loaded in the process) and, built by a compiler without OpenMP, runs each call on its caller's thread."""
+
+import shutil
+
+import pytest
+import torch
+
+from helpers.linear_cases import OPS, linear_inputs
+from vla_node.backends import cpu_features, cpu_kernels
+
+FLAGS = set(cpu_features.cpu_flags(cpu_features.read_cpuinfo()))
+needs_threads = pytest.mark.skipif(
+    cpu_kernels.compiler() is None or cpu_kernels.kernels_switched_off() or "avx512_bf16" not in FLAGS
+    or not cpu_kernels.openmp_flags(),
+    reason="the threaded kernels do not run here: they need a C compiler, a CPU with AVX512-BF16 and torch on "
+           f"libgomp.so.1 (kernels: {cpu_kernels.status()}; {cpu_features.describe()})")
+needs_vnni = pytest.mark.skipif("avx512_vnni" not in FLAGS, reason="the int8 linear kernel needs AVX512-VNNI")
+
+# rows, in, out: a reuse frame's decoder rows (32 tiles), the tick's, grouped K/V over a frame (3 tiles: split 1 | 2),
+# 21 tiles ending in 40 columns, a call too small to split (one thread whatever the count)
+SHAPES = [(89, 512, 1536), (20, 512, 1536), (216, 512, 128), (7, 96, 1000), (5, 48, 58)]
+
+
+@pytest.fixture
+def on_threads():
+    """Set torch's intra-op threads; the suite's one thread (tests/conftest.py) restored afterwards."""
+    yield torch.set_num_threads
+    torch.set_num_threads(1)
+
+
+def _per_thread_count(run, on_threads) -> dict[int, torch.Tensor]:
+    results = {}
+    for threads in (1, 2, 3):
+        on_threads(threads)
+        with torch.inference_mode():
+            results[threads] = run()
+    return results
+
+
+@needs_threads
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("op", list(OPS))
+def test_the_bf16_linear_gives_one_threads_bits_on_any_thread_count(shape, op, on_threads):
+    x, weight, bias, other = linear_inputs(*shape)
+    packed = cpu_kernels.pack_linear(weight)
+    results = _per_thread_count(
+        lambda: cpu_kernels.linear(x, packed, shape[2], bias.float(), op, other if op == "mul" else None), on_threads)
+    assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
+
+
+@needs_threads
+@needs_vnni
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("op", list(OPS))
+def test_the_int8_linear_gives_one_threads_bits_on_any_thread_count(shape, op, on_threads):
+    x, weight, bias, other = linear_inputs(*shape, seed=1)
+    packed = cpu_kernels.pack_linear_int8(weight)
+    results = _per_thread_count(
+        lambda: cpu_kernels.linear_int8(x, packed, shape[2], bias.float(), op, other if op == "mul" else None),
+        on_threads)
+    assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
+
+
+@needs_threads
+@pytest.mark.parametrize("shape", [(8, 2, 89, 268, 64), (8, 2, 20, 268, 64), (6, 6, 69, 196, 64), (4, 2, 3, 5, 16)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_the_attention_gives_one_threads_bits_on_any_thread_count(shape, on_threads):
+    """heads, kv heads, rows, keys, head_dim: a reuse frame's decoder rows, the tick's, the tower's (six kv heads on
+    two and three threads), one too small to split; masked keys and a row that sees nothing."""
+    heads, kv_heads, rows, keys, dim = shape
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(heads, rows, dim, generator=generator).bfloat16()
+    k, v = (torch.randn(kv_heads, keys, dim, generator=generator).bfloat16() for _ in range(2))
+    bias = torch.randn(rows, keys, generator=generator)
+    bias[:, keys - keys // 4:] = float("-inf")
+    bias[0] = float("-inf")
+    results = _per_thread_count(lambda: cpu_kernels.attention(q, k, v, bias).clone(), on_threads)
+    assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
+    assert torch.equal(results[2][:, 0], torch.zeros_like(results[2][:, 0]))
+
+
+@needs_threads
+def test_the_library_runs_on_torchs_own_openmp_runtime():
+    """Linked with -fopenmp, the library takes the libgomp.so.1 torch loaded: one OpenMP runtime in the process, so
+    no second team of threads spins against torch's."""
+    assert cpu_kernels.library() is not None and "on torch's OpenMP threads" in cpu_kernels.status()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+@pytest.mark.skipif(cpu_kernels.compiler() is None or cpu_kernels.kernels_switched_off() or "avx512_bf16" not in FLAGS
+                    or not cpu_kernels.openmp_flags(), reason="needs the threaded kernels to fall back from")
+def test_a_compiler_without_openmp_builds_kernels_that_run_on_one_thread(fresh_library, monkeypatch, tmp_path,
+                                                                          on_threads):
+    compiler = tmp_path / "cc-without-openmp"
+    compiler.write_text("#!/bin/sh\nfor a in \"$@\"; do if [ \"$a\" = -fopenmp ]; then "
+                        "echo \"cc: error: unsupported option '-fopenmp'\" >&2; exit 1; fi; done\n"
+                        f"exec {shutil.which(cpu_kernels.compiler())} \"$@\"\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    assert cpu_kernels.library() is not None
+    assert "one thread a call (built without OpenMP)" in cpu_kernels.status()
+    x, weight, bias, _ = linear_inputs(89, 512, 1536)
+    packed = cpu_kernels.pack_linear(weight)
+    results = _per_thread_count(lambda: cpu_kernels.linear(x, packed, 1536, bias.float()), on_threads)
+    assert torch.equal(results[1], results[2])
