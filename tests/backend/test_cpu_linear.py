@@ -1,6 +1,6 @@
 """The bf16 linear kernel (backends/cpu_kernels.c, AVX512-BF16): against fp64 as near as oneDNN's primitive on its
 prepacked weight at the node's shapes, every fused op rounded once, rows read as they lie, bad inputs named, and the
-packed weights choosing it only where it pays (one thread, no AMX)."""
+packed weights choosing it only where it pays (no AMX)."""
 
 import pytest
 import torch
@@ -101,22 +101,22 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 
 @needs_linear
-def test_packed_weights_take_the_kernel_on_one_thread_without_amx_and_onednn_otherwise(monkeypatch):
+def test_packed_weights_take_the_kernel_without_amx_on_any_thread_count_and_onednn_with_amx(monkeypatch):
     linear = torch.nn.Linear(64, 40).bfloat16().requires_grad_(False)
-    assert packed_weights.kernel_matmuls()  # this process: one thread (tests/conftest.py), no AMX asked
+    assert packed_weights.kernel_matmuls()  # this process: no AMX asked
     assert packed_weights.PackedLinear(linear).matmul.kernel
     odd = torch.nn.Linear(63, 40).bfloat16().requires_grad_(False)
     assert not packed_weights.PackedLinear(odd).matmul.kernel  # K odd: oneDNN for that one weight
-    monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)
-    assert not packed_weights.kernel_matmuls()
-    monkeypatch.undo()
     torch.set_num_threads(2)
     try:
-        assert not packed_weights.kernel_matmuls()
-        onednn = packed_weights.PackedLinear(linear)
+        assert packed_weights.kernel_matmuls()  # the kernel splits its tiles among torch's threads
     finally:
         torch.set_num_threads(1)
-    assert not onednn.matmul.kernel and onednn._rows.step == packed_weights.bucket_step()
+    monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)
+    assert not packed_weights.kernel_matmuls()
+    onednn, step = packed_weights.PackedLinear(linear), packed_weights.bucket_step()
+    monkeypatch.undo()
+    assert not onednn.matmul.kernel and onednn._rows.step == step
     x = torch.randn(17, 64).bfloat16()
     kernel = packed_weights.PackedLinear(linear)
     assert_within(kernel(x).float(), onednn(x).float(), bf16_ulp(onednn(x)), "kernel against oneDNN")
