@@ -4,6 +4,7 @@ thread computes it, so every thread count gives one thread's bits; the library s
 libgomp loaded in the process) and, built by a compiler without OpenMP, runs each call on its caller's thread."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from vla_node.backends import cpu_features, cpu_kernels
 FLAGS = set(cpu_features.cpu_flags(cpu_features.read_cpuinfo()))
 needs_threads = pytest.mark.skipif(
     cpu_kernels.compiler() is None or cpu_kernels.kernels_switched_off() or "avx512_bf16" not in FLAGS
-    or not cpu_kernels.openmp_flags(),
+    or not cpu_kernels.openmp_flags(cpu_kernels.compiler()),
     reason="the threaded kernels do not run here: they need a C compiler, a CPU with AVX512-BF16 and torch on "
            f"libgomp.so.1 (kernels: {cpu_kernels.status()}; {cpu_features.describe()})")
 needs_vnni = pytest.mark.skipif("avx512_vnni" not in FLAGS, reason="the int8 linear kernel needs AVX512-VNNI")
@@ -92,8 +93,7 @@ def test_the_library_runs_on_torchs_own_openmp_runtime():
     assert len(runtimes) == 1, runtimes
 
 
-@pytest.mark.skipif(cpu_kernels.compiler() is None or cpu_kernels.kernels_switched_off() or "avx512_bf16" not in FLAGS
-                    or not cpu_kernels.openmp_flags(), reason="needs the threaded kernels to fall back from")
+@needs_threads
 def test_a_compiler_without_openmp_builds_kernels_that_run_on_one_thread(fresh_library, monkeypatch, tmp_path,
                                                                           on_threads):
     compiler = tmp_path / "cc-without-openmp"
@@ -108,3 +108,19 @@ def test_a_compiler_without_openmp_builds_kernels_that_run_on_one_thread(fresh_l
     packed = cpu_kernels.pack_linear(weight)
     results = _per_thread_count(lambda: cpu_kernels.linear(x, packed, 1536, bias.float()), on_threads)
     assert torch.equal(results[1], results[2])
+
+
+def _fake_compiler(folder, version: str):
+    compiler = folder / "cc"
+    compiler.write_text(f"#!/bin/sh\necho '{version}'\n")
+    compiler.chmod(0o755)
+    return str(compiler)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists() or "libgomp.so.1" not in Path("/proc/self/maps").read_text(),
+                    reason="torch does not run on libgomp.so.1 here")
+def test_openmp_only_from_gcc_whose_runtime_is_torchs(tmp_path):
+    """clang's -fopenmp links its own libomp, a second runtime beside torch's libgomp: no OpenMP from it."""
+    assert cpu_kernels.openmp_flags(_fake_compiler(tmp_path, "cc (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 "
+                                                             "Free Software Foundation, Inc.")) == ("-fopenmp",)
+    assert cpu_kernels.openmp_flags(_fake_compiler(tmp_path, "Debian clang version 14.0.6")) == ()

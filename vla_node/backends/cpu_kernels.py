@@ -20,7 +20,7 @@ bf16 instruction's products a cycle on a Zen 4, about 1.8x the bf16 kernel's spe
 
 Threads: the linear kernels split a call's columns, the attention its kv heads, among torch.get_num_threads()
 threads (a call of fewer than 2^21 multiply-adds runs on one), on torch's own OpenMP threads: where torch runs on
-libgomp.so.1 the library is built with -fopenmp and takes that same runtime (openmp_flags), so nothing else spins
+libgomp.so.1 the library is built with -fopenmp and takes that same runtime (openmp_flags: GCC), so nothing else spins
 beside torch's threads (a pool of the library's own, tried first, ran a reuse frame in 70 ms on two threads against
 40 on one: its spinning workers and OpenMP's took turns on the two cores). Every part is computed as one thread
 computes it: the bits do not depend on the thread count. Two threads of a Zen 4 EPYC (2 vCPU), us against one: a
@@ -150,22 +150,23 @@ def build(cc: str, directory: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     return path
 
 
-def openmp_flags() -> tuple[str, ...]:
-    """(OPENMP,) where torch runs on GNU OpenMP loaded as libgomp.so.1: the library linked with it then takes that
-    same runtime (one soname, loaded once) and its matmuls and attention split among torch's intra-op threads
-    (cpu_kernels.c); elsewhere () and each call runs on its caller's thread, as a second OpenMP runtime beside
-    torch's would spin its own threads against torch's."""
+def openmp_flags(cc: str) -> tuple[str, ...]:
+    """(OPENMP,) where torch runs on GNU OpenMP loaded as libgomp.so.1 and `cc` is GCC, whose -fopenmp links
+    libgomp.so.1: the library then takes torch's runtime (one soname, loaded once) and its matmuls and attention
+    split among torch's intra-op threads (cpu_kernels.c). Elsewhere () and each call runs on its caller's thread: a
+    second OpenMP runtime (clang's libomp beside torch's libgomp) would spin its own threads against torch's."""
     try:
         with open("/proc/self/maps") as maps:
             mapped = {Path(line.split()[-1]).name for line in maps if line.rstrip().endswith(".so.1")}
     except OSError:
         return ()
-    return (OPENMP,) if "libgomp.so.1" in mapped else ()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    return (OPENMP,) if "libgomp.so.1" in mapped and "Free Software Foundation" in version else ()
 
 
 def _build_threaded(cc: str, directory: Path) -> tuple[Path, tuple[str, ...]]:
-    """build() with openmp_flags(), else (a compiler without OpenMP) without them; the library and its flags."""
-    flags = (*FLAGS, *openmp_flags())
+    """build() with openmp_flags(cc), else (a compiler without OpenMP) without them; the library and its flags."""
+    flags = (*FLAGS, *openmp_flags(cc))
     try:
         return build(cc, directory, flags), flags
     except RuntimeError as error:
