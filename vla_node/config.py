@@ -46,7 +46,7 @@ class ModelSection:
     # weight storage of every linear layer: fp32 (the compute dtype) | fp16 (fp32 compute, x86 CPU) | packed (bf16
     # compute on a CPU with bf16 hardware: prepacked for oneDNN, MLP activations fused) | int8 (packed, bf16 compute,
     # each matmul on the CPU kernels' int8 linear: weights per output column, activations per row as they come;
-    # AVX512-VNNI and -BF16, one thread) | auto (fp16 with fp32 compute on an x86 CPU, packed with bf16 compute on a
+    # AVX512-VNNI and -BF16) | auto (fp16 with fp32 compute on an x86 CPU, packed with bf16 compute on a
     # CPU that has it; else the compute dtype; never int8, which trades accuracy for speed)
     weights: str = "fp32"
     device: str = "cpu"  # torch device: cpu | cuda | cuda:N

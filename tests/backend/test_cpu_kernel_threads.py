@@ -21,8 +21,8 @@ needs_threads = pytest.mark.skipif(
 needs_vnni = pytest.mark.skipif("avx512_vnni" not in FLAGS, reason="the int8 linear kernel needs AVX512-VNNI")
 
 # rows, in, out: a reuse frame's decoder rows (32 tiles), the tick's, grouped K/V over a frame (3 tiles: split 1 | 2),
-# 21 tiles ending in 40 columns, a call too small to split (one thread whatever the count)
-SHAPES = [(89, 512, 1536), (20, 512, 1536), (216, 512, 128), (7, 96, 1000), (5, 48, 58)]
+# 21 tiles ending in 40 columns (a masked vector), a call too small to split (one thread whatever the count)
+SHAPES = [(89, 512, 1536), (20, 512, 1536), (216, 512, 128), (7, 512, 1000), (5, 48, 58)]
 
 
 @pytest.fixture
@@ -84,13 +84,19 @@ def test_the_attention_gives_one_threads_bits_on_any_thread_count(shape, on_thre
 
 
 @needs_threads
+def test_a_call_splits_into_as_many_parts_as_threads_and_items_allow():
+    lib = cpu_kernels.library()
+    assert [lib.parts(32, 2), lib.parts(32, 3), lib.parts(3, 8), lib.parts(1, 2), lib.parts(32, 1)] == [2, 3, 3, 1, 1]
+
+
+@needs_threads
 def test_the_library_runs_on_torchs_own_openmp_runtime():
     """Linked with -fopenmp, the library takes the libgomp.so.1 torch loaded: one OpenMP runtime in the process, so
     no second team of threads spins against torch's."""
     assert cpu_kernels.library() is not None and "on torch's OpenMP threads" in cpu_kernels.status()
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
-    assert len(runtimes) == 1, runtimes
+    assert len(runtimes) == 1 and cpu_kernels.openmp_runtimes() == {"libgomp.so.1"}, runtimes
 
 
 @needs_threads
@@ -104,6 +110,7 @@ def test_a_compiler_without_openmp_builds_kernels_that_run_on_one_thread(fresh_l
     monkeypatch.setenv("CC", str(compiler))
     assert cpu_kernels.library() is not None
     assert "one thread a call (built without OpenMP)" in cpu_kernels.status()
+    assert cpu_kernels.library().parts(32, 2) == 1
     x, weight, bias, _ = linear_inputs(89, 512, 1536)
     packed = cpu_kernels.pack_linear(weight)
     results = _per_thread_count(lambda: cpu_kernels.linear(x, packed, 1536, bias.float()), on_threads)

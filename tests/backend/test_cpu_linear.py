@@ -1,6 +1,6 @@
 """The bf16 linear kernel (backends/cpu_kernels.c, AVX512-BF16): against fp64 as near as oneDNN's primitive on its
 prepacked weight at the node's shapes, every fused op rounded once, rows read as they lie, bad inputs named, and the
-packed weights choosing it only where it pays (no AMX)."""
+packed weights choosing it only where it pays (no AMX, at most two threads)."""
 
 import pytest
 import torch
@@ -101,15 +101,17 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 
 @needs_linear
-def test_packed_weights_take_the_kernel_without_amx_on_any_thread_count_and_onednn_with_amx(monkeypatch):
+def test_packed_weights_take_the_kernel_without_amx_on_up_to_two_threads_and_onednn_otherwise(monkeypatch):
     linear = torch.nn.Linear(64, 40).bfloat16().requires_grad_(False)
     assert packed_weights.kernel_matmuls()  # this process: no AMX asked
     assert packed_weights.PackedLinear(linear).matmul.kernel
     odd = torch.nn.Linear(63, 40).bfloat16().requires_grad_(False)
     assert not packed_weights.PackedLinear(odd).matmul.kernel  # K odd: oneDNN for that one weight
-    torch.set_num_threads(2)
     try:
-        assert packed_weights.kernel_matmuls()  # the kernel splits its tiles among torch's threads
+        torch.set_num_threads(2)
+        assert packed_weights.kernel_matmuls()  # the kernel splits its tiles between torch's two threads
+        torch.set_num_threads(packed_weights.KERNEL_MAX_THREADS + 1)
+        assert not packed_weights.kernel_matmuls()  # unmeasured there: oneDNN's threaded primitive
     finally:
         torch.set_num_threads(1)
     monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)

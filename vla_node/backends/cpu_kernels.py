@@ -103,6 +103,8 @@ class Kernels(NamedTuple):
     pack_linear: dict[torch.dtype, Callable]
     linear_s8: dict[torch.dtype, Callable]  # the int8 linear: returns -2 where not built (AVX512-VNNI and -BF16)
     pack_linear_s8: dict[torch.dtype, Callable]
+    parts: Callable  # parts(items, threads): the parts a threaded call runs in (1 where built without OpenMP)
+    path: Path
 
 
 def kernel_dir() -> Path:
@@ -155,25 +157,39 @@ def openmp_flags(cc: str) -> tuple[str, ...]:
     libgomp.so.1: the library then takes torch's runtime (one soname, loaded once) and its matmuls and attention
     split among torch's intra-op threads (cpu_kernels.c). Elsewhere () and each call runs on its caller's thread: a
     second OpenMP runtime (clang's libomp beside torch's libgomp) would spin its own threads against torch's."""
-    try:
-        with open("/proc/self/maps") as maps:
-            mapped = {Path(line.split()[-1]).name for line in maps if line.rstrip().endswith(".so.1")}
-    except OSError:
+    if openmp_runtimes() != {"libgomp.so.1"}:
         return ()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    return (OPENMP,) if "libgomp.so.1" in mapped and "Free Software Foundation" in version else ()
+    return (OPENMP,) if "Free Software Foundation" in version else ()
 
 
-def _build_threaded(cc: str, directory: Path) -> tuple[Path, tuple[str, ...]]:
-    """build() with openmp_flags(cc), else (a compiler without OpenMP) without them; the library and its flags."""
+def openmp_runtimes() -> set[str]:
+    """The file names of the OpenMP runtimes this process has loaded (GNU, LLVM, Intel; Linux: empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {Path(line.split()[-1]).name for line in maps if "/" in line}
+    except OSError:
+        return set()
+    return {name for name in names if name.startswith(("libgomp", "libomp", "libiomp"))}
+
+
+def _load_threaded(cc: str, directory: Path) -> tuple[Kernels, tuple[str, ...]]:
+    """The library built with openmp_flags(cc), loaded and checked, else (a compiler or runtime without OpenMP, or a
+    threaded build that fails its check) built without them; the library and its flags."""
     flags = (*FLAGS, *openmp_flags(cc))
     try:
-        return build(cc, directory, flags), flags
-    except RuntimeError as error:
+        return _checked(build(cc, directory, flags)), flags
+    except (OSError, RuntimeError) as error:
         if flags == FLAGS:
             raise
         log.warning("cpu kernels: %s; built without OpenMP instead (one thread a call)", error)
-        return build(cc, directory, FLAGS), FLAGS
+        return _checked(build(cc, directory, FLAGS)), FLAGS
+
+
+def _checked(path: Path) -> Kernels:
+    lib = load(path)
+    _self_check(lib)
+    return lib
 
 
 @functools.cache
@@ -188,15 +204,13 @@ def library() -> Kernels | None:
         _status = "unavailable: no C compiler (set CC, or install gcc or clang)"
         return None
     try:
-        path, flags = _build_threaded(cc, kernel_dir())
-        lib = load(path)
-        _self_check(lib)
+        lib, flags = _load_threaded(cc, kernel_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
         log.warning("cpu kernels %s; torch's ops run instead", _status)
         return None
     threads = "on torch's OpenMP threads" if OPENMP in flags else "one thread a call (built without OpenMP)"
-    _status = f"built with {Path(cc).name} {' '.join(flags[:3])}, {threads} ({path})"
+    _status = f"built with {Path(cc).name} {' '.join(flags[:3])}, {threads} ({lib.path})"
     log.info("cpu kernels %s", _status)
     return lib
 
@@ -213,7 +227,12 @@ def load(path: Path) -> Kernels:
             except AttributeError as error:
                 raise OSError(f"{path.name} has no vla_{name}_{kind}") from error
             function.argtypes = argtypes
-    return Kernels(**functions)
+    try:
+        parts = loaded.vla_parts
+    except AttributeError as error:
+        raise OSError(f"{path.name} has no vla_parts") from error
+    parts.argtypes = [_I, _I]
+    return Kernels(**functions, parts=parts, path=path)
 
 
 def kernels_switched_off() -> bool:
@@ -274,7 +293,8 @@ def _check_attention(lib: Kernels, generator: torch.Generator) -> None:
 
 def _check_linear(lib: Kernels, generator: torch.Generator) -> None:
     """The bf16 linear (where built) against fp64 for every op: 11 strided rows (two row blocks), 74 columns (a
-    whole tile of 48 and a part ending in 10 of a vector's 16), a bias; within bf16's rounding."""
+    whole tile of 48 and a part ending in 10 of a vector's 16), a bias; within bf16's rounding. Then a call big
+    enough to split (3.3 M multiply-adds, run_parts) on two threads against one: the same bits."""
     x = torch.randn(11, 40, generator=generator).bfloat16()[:, :34]
     weight, other = torch.randn(74, 34, generator=generator).bfloat16(), torch.randn(11, 74, generator=generator)
     bias = torch.randn(74, generator=generator)
@@ -283,6 +303,11 @@ def _check_linear(lib: Kernels, generator: torch.Generator) -> None:
         return  # not built for this CPU: oneDNN runs the packed matmuls (linear_kernel() is None)
     _check_ops("linear kernel", "fp64", x.double() @ weight.double().T + bias.double(), other,
                lambda op, o: _linear(lib, x, packed, 74, bias, op, o))
+    x, weight = torch.randn(40, 512, generator=generator).bfloat16(), torch.randn(160, 512, generator=generator)
+    packed = _pack_linear(lib, weight.bfloat16())
+    if not torch.equal(_linear(lib, x, packed, 160, None, "none", None, threads=2),
+                       _linear(lib, x, packed, 160, None, "none", None, threads=1)):
+        raise RuntimeError("the linear kernel on two threads differs from its result on one")
 
 
 def _check_linear_int8(lib: Kernels, generator: torch.Generator) -> None:
@@ -441,15 +466,15 @@ def _check_operands(lib: Kernels | None, kernel: str, k: int, out_features: int,
 
 
 def _linear(lib: Kernels, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-            op: str, other: torch.Tensor | None) -> torch.Tensor:
+            op: str, other: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
     """op(x [..., K] W^T + bias) [..., N] by the kernel: x bf16 with a contiguous last dim (rows strided as they
-    come), bias fp32 [N] or None, other (op 'mul') bf16 [..., N]."""
+    come), bias fp32 [N] or None, other (op 'mul') bf16 [..., N]; on `threads` threads (None: torch's)."""
     rows, y, other = _operands(x, out_features, other)
     m, k = rows.shape
     lib.linear[torch.bfloat16](rows.data_ptr(), m, rows.stride(0), packed.data_ptr(), out_features, k,
                                None if bias is None else bias.data_ptr(), LINEAR_OPS[op],
                                None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
-                               y.data_ptr(), out_features, torch.get_num_threads())
+                               y.data_ptr(), out_features, threads or torch.get_num_threads())
     return y
 
 

@@ -33,8 +33,8 @@ each promotion compiled a kernel per matmul shape in the frame that ran it (200 
 policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against 45.1 ms, the median 36.6 against 36.0 ms). A padded
 row's result is dropped (rows are independent).
 
-Where the fused CPU kernels' bf16 linear runs (`kernel_matmuls`: built with AVX512-BF16, oneDNN not on AMX), each
-weight is packed for it instead (PackedMatmul) and none of the above applies: it compiles nothing per
+Where the fused CPU kernels' bf16 linear runs (`kernel_matmuls`: built with AVX512-BF16, oneDNN not on AMX, at most
+two threads), each weight is packed for it instead (PackedMatmul) and none of the above applies: it compiles nothing per
 row count, so nothing is padded or warmed. oneDNN's kernel for a tick's 17 rows reached about 70% of its rate at 196
 rows, and about half of it with the weights coming from memory, as a tick's do (48 MB of decoder weights cycle
 through a 32 MB L3); the kernel keeps its rate at every row count and prefetches the weight stream. A Zen 5 EPYC,
@@ -70,6 +70,7 @@ from vla_node.model.vision import SiglipEmbeddings, SiglipMLP
 BATCH_HINT = 196  # rows oneDNN packs for (a camera's tokens); any row count works
 AMX_ROW_BUCKET = 16  # where oneDNN runs AMX, rows are padded up to a multiple of this (a tile's rows)
 ROW_BUCKET = 8  # elsewhere (AVX512-BF16), to a multiple of this
+KERNEL_MAX_THREADS = 2  # the most intra-op threads kernel_matmuls() was measured faster on than oneDNN
 
 
 def packed_weights_available() -> bool:
@@ -110,13 +111,15 @@ def bucket_step() -> int:
 
 def kernel_matmuls() -> bool:
     """Whether a weight packed now runs on cpu_kernels' bf16 linear kernel rather than oneDNN: where the kernel is
-    built (AVX512-BF16) and oneDNN would not run AMX (its tiles are the faster path there), on any thread count (the
-    kernel splits its column tiles among torch's intra-op threads: on two threads of a Zen 4 EPYC a warm reuse frame
-    of `small` took 30.0-30.9 ms against 36.5-40.8 ms on oneDNN's threaded primitive with its rows padded).
+    built (AVX512-BF16), oneDNN would not run AMX (its tiles are the faster path there) and the process has at most
+    KERNEL_MAX_THREADS intra-op threads, among which the kernel splits its column tiles (two threads of a Zen 4 EPYC:
+    a warm reuse frame of `small` 30.8 ms against 36.0 ms on oneDNN's threaded primitive with its rows padded; more
+    threads are unmeasured, and oneDNN, which splits rows too, keeps them).
     One thread on a Zen 5 EPYC, us, kernel against oneDNN: a tick's 17 rows x 512 -> 1536 61 against 73 with the
     weight in cache, 104 against 166 just read from memory (1536 -> 512: 57 / 104 against 72 / 227); a frame's 80
     and 196 rows 3 to 10% faster."""
-    return cpu_kernels.linear_kernel() and not cpu_features.onednn_runs_amx()
+    return (cpu_kernels.linear_kernel() and not cpu_features.onednn_runs_amx()
+            and torch.get_num_threads() <= KERNEL_MAX_THREADS)
 
 
 class RowBuckets:
