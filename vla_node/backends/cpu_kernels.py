@@ -303,8 +303,8 @@ def _check_linear(lib: Kernels, generator: torch.Generator) -> None:
         return  # not built for this CPU: oneDNN runs the packed matmuls (linear_kernel() is None)
     _check_ops("linear kernel", "fp64", x.double() @ weight.double().T + bias.double(), other,
                lambda op, o: _linear(lib, x, packed, 74, bias, op, o))
-    x, weight = torch.randn(40, 512, generator=generator).bfloat16(), torch.randn(160, 512, generator=generator)
-    packed = _pack_linear(lib, weight.bfloat16())
+    x, weight = (torch.randn(rows, 512, generator=generator).bfloat16() for rows in (40, 160))
+    packed = _pack_linear(lib, weight)
     if not torch.equal(_linear(lib, x, packed, 160, None, "none", None, threads=2),
                        _linear(lib, x, packed, 160, None, "none", None, threads=1)):
         raise RuntimeError("the linear kernel on two threads differs from its result on one")
