@@ -4,7 +4,6 @@ thread computes it, so every thread count gives one thread's bits; the library s
 libgomp loaded in the process) and, built by a compiler without OpenMP, runs each call on its caller's thread."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -124,7 +123,7 @@ def _fake_compiler(folder, version: str):
     return str(compiler)
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists() or "libgomp.so.1" not in Path("/proc/self/maps").read_text(),
+@pytest.mark.skipif("libgomp.so.1" not in cpu_kernels.openmp_runtimes(),
                     reason="torch does not run on libgomp.so.1 here")
 def test_openmp_only_from_gcc_whose_runtime_is_torchs(tmp_path):
     """clang's -fopenmp links its own libomp, a second runtime beside torch's libgomp: no OpenMP from it."""
