@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from vla_node.backends import cpu_features
 from vla_node.kv import quant
+from vla_node.model import decoder
 from vla_node.model.decoder import RMSNorm
 from vla_node.model.vision import softmax_attention
 
@@ -76,6 +77,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
     "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P],
+    "rope": [_P, _I, _I, _P, _P, _I, _I, _I, _P],
     "kivi_keys": [_P, _I, _I, _I, _I, _P, _P, _P],
     "kivi_values": [_P, _I, _I, _P, _P, _P],
     "kivi_dequant": [_P, _P, _P, _I, _I, _I, _I, _P, _I],
@@ -87,6 +89,7 @@ _SIGNATURES = {
 }
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "gelu_tanh": 3}  # cpu_kernels.c's linear ops
 MAX_INNER = 4096  # cpu_kernels.c's MAX_INNER: the shared-drift move's values per token
+MAX_HEAD_DIM = 512  # cpu_kernels.c's MAX_HEAD_DIM: RoPE's head_dim
 _status = "not loaded yet"
 
 
@@ -95,6 +98,7 @@ class Kernels(NamedTuple):
 
     rms_norm: dict[torch.dtype, Callable]
     shift: dict[torch.dtype, Callable]
+    rope: dict[torch.dtype, Callable]
     kivi_keys: dict[torch.dtype, Callable]  # by the input's dtype
     kivi_values: dict[torch.dtype, Callable]
     kivi_dequant: dict[torch.dtype, Callable]  # by the output's dtype
@@ -265,6 +269,10 @@ def _self_check(lib: Kernels) -> None:
         _shift(lib, got, old, fresh, _fresh_strides(fresh, 1), rows, sample, at, 1)
         if not torch.equal(got, want):
             raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
+        x = torch.randn(6, 3, 34, generator=generator).to(dtype).transpose(0, 1)  # [3, 6, 34], rows 102 apart
+        cos, sin = (torch.randn(6, 34, generator=generator).to(dtype) for _ in range(2))
+        if not torch.equal(_rope(lib, x, cos, sin), decoder.apply_rope(x, cos, sin)):
+            raise RuntimeError(f"RoPE {dtype} differs from torch's")
         with torch.no_grad():
             _check_kivi(lib, dtype, generator)
     _check_attention(lib, generator)
@@ -371,6 +379,31 @@ def _shift(lib: Kernels, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tens
     lib.shift[old.dtype](old.data_ptr(), fresh.data_ptr(), *fresh_strides, rows.data_ptr(), rows.numel(),
                          sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(),
                          old.shape[dim], old.shape[dim + 1:].numel(), None if residual is None else residual.data_ptr())
+
+
+def _rope(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """cpu_kernels.c's ROPE: x [heads, rows, hd] with a contiguous last dim, cos and signed_sin [rows, hd]
+    contiguous, all of one kernel dtype; a new contiguous [heads, rows, hd]."""
+    heads, rows, hd = x.shape
+    out = torch.empty(heads, rows, hd, dtype=x.dtype)
+    lib.rope[x.dtype](x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), heads, rows, hd,
+                      out.data_ptr())
+    return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """model/decoder.apply_rope in one pass by the fused kernel where it applies (CPU, bf16 or fp32, x [heads,
+    rows, hd] with a contiguous last dim, as the heads of a matmul's output are; cos and signed_sin [rows, hd]
+    contiguous, x's dtype; inference): the same bits as its three ops in about half their time, checks included
+    (one Zen 4 core: a decoder layer's K of 216 rows, 2 heads, 14 us against 38; its Q of 89 rows, 8 heads, 20 us
+    against 35). Elsewhere decoder.apply_rope."""
+    lib = library()
+    if (lib is None or x.dtype not in _KINDS or x.dim() != 3 or x.device.type != "cpu" or x.stride(2) != 1
+            or x.shape[2] % 2 or x.shape[2] > MAX_HEAD_DIM
+            or any(t.dtype != x.dtype or t.shape != x.shape[1:] or not t.is_contiguous() for t in (cos, signed_sin))
+            or not _eager()):
+        return decoder.apply_rope(x, cos, signed_sin)
+    return _rope(lib, x, cos, signed_sin)
 
 
 def _fresh_strides(fresh: torch.Tensor, dim: int) -> tuple[int, int] | None:

@@ -400,8 +400,8 @@ class FrameTokenCache:
         extra_rows given at construction); they stage nothing, and the frame's results are those of a run without
         them up to float rounding (a matmul over a few rows plus theirs may round differently)."""
         from vla_node.kv.attention import Segment, segmented_attention
-        from vla_node.model.decoder import apply_rope
 
+        apply_rope = cpu_kernels.apply_rope  # decoder.apply_rope, in one pass where the kernels run
         attend = attend or segmented_attention
         if tokens is not None and context != self.context:
             raise ValueError(f"partial decoder run against context {context!r}: the cache holds {self.context!r}")
