@@ -5,6 +5,7 @@ AVX512-BF16 (integer rounding alone) and without AVX-512 (the compiler's vectors
 
 import platform
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,3 +134,46 @@ def test_the_bf16_move_rounds_special_values_as_torch_on_every_build(lib):
         cpu_kernels._shift(lib, out, old, new, (0, width), rows, sample, at, 0, got_stream)
     assert _bits_equal(out, want) and _bits_equal(got_stream, want_stream)
     assert want.isnan().any() and want.isinf().any() and (want.float().abs() < 1.2e-38).logical_and(want != 0).any()
+
+
+@needs_kernels
+def test_a_bf16_policys_frames_and_ticks_run_rope_through_the_kernel_with_torchs_logits(monkeypatch):
+    """A bf16 MultiRatePolicy behind the reuse gate (full frames, partial ones with the tick in their pass, ticks
+    alone): every RoPE goes through the kernel, and the logits are bit for bit those of torch's RoPE."""
+    from vla_node.bench.reuse import GatedPolicy
+    from vla_node.kv.cache_config import CacheConfig
+    from vla_node.model.config import preset
+    from vla_node.model.vla import build_vla
+    from vla_node.runtime.policy import MultiRatePolicy
+    from vla_node.runtime.reuse import ReuseConfig
+
+    config = preset("tiny")
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, 256, (1, config.image_size, config.image_size, 3), dtype=np.uint8)
+    frames = [first.copy() for _ in range(4)]
+    for i, frame in enumerate(frames[1:], 1):  # a patch changes per frame: partial refreshes
+        frame[0, 8 * i : 8 * i + 8, :16] = rng.integers(0, 256, (8, 16, 3), dtype=np.uint8)
+    state = np.linspace(-1, 1, config.state_dim, dtype=np.float32)
+
+    def run():
+        policy = MultiRatePolicy(build_vla(config, seed=2).to(torch.bfloat16), CacheConfig())
+        policy.update_text("keep lane")
+        gated, logits, partial = GatedPolicy(policy, ReuseConfig()), [], 0
+        for frame in frames:
+            update, plans = gated.update_vision(policy.prepare_frames(list(frame)), state=state)
+            partial += not plans[0].full
+            logits.append(update.chunk.logits)
+            logits.append(policy.action_tick(state).logits)
+        assert partial == len(frames) - 1
+        return logits
+
+    calls = []
+    kernel = cpu_kernels._rope
+    monkeypatch.setattr(cpu_kernels, "_rope", lambda *args: calls.append(args[1].shape) or kernel(*args))
+    with_kernel = run()
+    assert len(calls) >= 4 * config.num_layers and all(shape[-1] == config.head_dim for shape in calls)
+    monkeypatch.setattr(cpu_kernels, "apply_rope", decoder.apply_rope)
+    kernel_calls = len(calls)
+    with_torch = run()
+    assert len(calls) == kernel_calls  # torch's RoPE alone
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(with_kernel, with_torch))

@@ -7,6 +7,8 @@ its own attention between them (segmented over partitions).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,31 +95,32 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(width, config.rms_eps)
         self.post_attention_layernorm = RMSNorm(width, config.rms_eps)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> q [heads, T, hd], k and v [kv_heads, T, hd]; RoPE applied to q and k. With packed
-        weights (`qkv`, packed_weights.py) the three projections are one matmul and q, k one RoPE call."""
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable = apply_rope):
+        """x [T, hidden] -> q [heads, T, hd], k and v [kv_heads, T, hd]; RoPE applied to q and k (by `rope`, with
+        apply_rope's contract: backends/cpu_kernels.apply_rope). With packed weights (`qkv`, packed_weights.py)
+        the three projections are one matmul and q, k one RoPE call."""
         a = self.self_attn
         t = x.shape[0]
         h = self.input_layernorm(x)
         qkv = a.__dict__.get("qkv")
         if qkv is not None:
             heads = qkv(h).reshape(t, a.heads + 2 * a.kv_heads, a.head_dim).transpose(0, 1)  # -> [H + 2 KV, T, hd]
-            qk = apply_rope(heads[: a.heads + a.kv_heads], cos, sin)
+            qk = rope(heads[: a.heads + a.kv_heads], cos, sin)
             return qk[: a.heads], qk[a.heads :], heads[a.heads + a.kv_heads :]
         q = a.q_proj(h).reshape(t, a.heads, a.head_dim).transpose(0, 1)  # [T, H*hd] -> [H, T, hd]
         k = a.k_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # -> [KV, T, hd]
         v = a.v_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # -> [KV, T, hd]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, hidden] -> k and v [kv_heads, T, hd] (RoPE on k): all a last layer computes for tokens whose
-        output nothing reads (they are only attended to)."""
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Callable = apply_rope):
+        """x [T, hidden] -> k and v [kv_heads, T, hd] (RoPE on k, by `rope`): all a last layer computes for tokens
+        whose output nothing reads (they are only attended to)."""
         a = self.self_attn
         t = x.shape[0]
         h = self.input_layernorm(x)
         k = a.k_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)  # [T, KV*hd] -> [KV, T, hd]
         v = a.v_proj(h).reshape(t, a.kv_heads, a.head_dim).transpose(0, 1)
-        return apply_rope(k, cos, sin), v
+        return rope(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn [heads, T, hd] -> the layer's output [T, hidden]."""

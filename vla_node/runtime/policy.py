@@ -280,11 +280,11 @@ class MultiRatePolicy:
             if check is not None and not check(i / len(layers)):
                 raise StageAborted(f"stopped before decoder layer {i}")
             if not output and i == len(layers) - 1:
-                k, v = layer.project_kv(x, cos, sin)
+                k, v = layer.project_kv(x, cos, sin, cpu_kernels.apply_rope)
                 out_k[i].copy_(k)
                 out_v[i].copy_(v)
                 return None
-            q, k, v = layer.project_qkv(x, cos, sin)
+            q, k, v = layer.project_qkv(x, cos, sin, cpu_kernels.apply_rope)
             if out_k is not None:
                 out_k[i].copy_(k)
                 out_v[i].copy_(v)
