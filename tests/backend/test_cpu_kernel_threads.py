@@ -4,6 +4,7 @@ thread computes it, so every thread count gives one thread's bits; the library s
 libgomp loaded in the process) and, built by a compiler without OpenMP, runs each call on its caller's thread."""
 
 import shutil
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -80,6 +81,42 @@ def test_the_attention_gives_one_threads_bits_on_any_thread_count(shape, on_thre
     results = _per_thread_count(lambda: cpu_kernels.attention(q, k, v, bias).clone(), on_threads)
     assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
     assert torch.equal(results[2][:, 0], torch.zeros_like(results[2][:, 0]))
+
+
+@needs_threads
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["decoder", "tower-qkv", "small"])
+def test_the_shared_drift_move_gives_one_threads_bits_on_any_thread_count(dtype, layout, on_threads):
+    """The move splits its (outer, token) items: a decoder layer's [196, 512] with its residual stream (tokens
+    split), the tower's permuted q|k|v [3, 6, 196, 64] (outer rows split, each part's own moves), and a move too
+    small to split; torch's bits on every count."""
+    from vla_node.runtime.vision_cache import shift_reused
+
+    generator = torch.Generator().manual_seed(4)
+    shape, dim = {"decoder": ((196, 512), 0), "tower-qkv": ((3, 6, 196, 64), 2), "small": ((23, 64), 0)}[layout]
+    tokens = shape[dim]
+    old = torch.randn(shape, generator=generator).to(dtype)
+    rows = torch.randperm(tokens, generator=generator)[: tokens // 3].sort().values
+    sample = rows[torch.linspace(0, rows.numel() - 1, min(8, rows.numel())).long()]  # distinct: as shared_sample
+    fresh_shape = list(shape)
+    fresh_shape[dim] = rows.numel()
+    fresh = torch.randn(fresh_shape, generator=generator).to(dtype)
+    if layout == "tower-qkv":  # [n, 3, H, hd] permuted to [3, H, n, hd], as the tower's one q|k|v matmul gives it
+        fresh = fresh.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    stream = torch.randn(shape, generator=generator).to(dtype) if layout != "tower-qkv" else None
+
+    def run():
+        out, residual = torch.empty_like(old), None if stream is None else stream.clone()
+        assert cpu_kernels.shift(out, old, fresh, rows, sample, torch.searchsorted(rows, sample), dim, residual)
+        return out if residual is None else torch.cat([out, residual])
+
+    results = _per_thread_count(run, on_threads)
+    assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
+    assert "on torch's OpenMP threads" in cpu_kernels.status()  # the threaded build passed its check: it ran here
+    out, residual = torch.empty_like(old), None if stream is None else stream.clone()
+    with torch.inference_mode(), patch.object(cpu_kernels, "library", lambda: None):  # torch's ops
+        shift_reused(out, old, fresh, rows, sample, dim, residual=residual)
+    assert torch.equal(results[2], out if residual is None else torch.cat([out, residual]))
 
 
 @needs_threads

@@ -76,7 +76,7 @@ _KINDS = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, ctypes.c_float],
-    "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P],
+    "shift": [_P, _P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _I],
     "rope": [_P, _I, _I, _P, _P, _I, _I, _I, _P],
     "kivi_keys": [_P, _I, _I, _I, _I, _P, _P, _P],
     "kivi_values": [_P, _I, _I, _P, _P, _P],
@@ -260,15 +260,19 @@ def _self_check(lib: Kernels) -> None:
         got = _rms_norm(lib, x, weight, 1e-6).float()
         if not torch.allclose(got, want, rtol=2 ** -7, atol=0):
             raise RuntimeError(f"rms_norm {dtype} differs from torch's by {(got - want).abs().max().item()}")
-        old = torch.randn(2, 7, 3, generator=generator).to(dtype)
-        fresh = torch.randn(2, 3, 3, generator=generator).to(dtype)
-        rows, sample, at = torch.tensor([0, 4, 6]), torch.tensor([4, 6]), torch.tensor([1, 2])
-        move = (fresh.index_select(1, at).float() - old.index_select(1, sample).float()).mean(1, keepdim=True)
-        want = (old.float() + move).to(dtype).index_copy_(1, rows, fresh)
-        got = torch.empty_like(old)
-        _shift(lib, got, old, fresh, _fresh_strides(fresh, 1), rows, sample, at, 1)
-        if not torch.equal(got, want):
-            raise RuntimeError(f"the shared-drift move {dtype} differs from torch's")
+        # the move: a small one, and one big enough to split among threads (cpu_kernels.c: THREADED_MIN_VALUES)
+        for outer, tokens, inner, threads in ((2, 7, 3, 1), (3, 130, 192, 2)):
+            old = torch.randn(outer, tokens, inner, generator=generator).to(dtype)
+            rows = torch.arange(0, tokens, 3)
+            fresh = torch.randn(outer, rows.numel(), inner, generator=generator).to(dtype)
+            at = torch.arange(1, rows.numel(), 2)[:8]  # torch sums at most 16 values in order (its mean: the same bits)
+            sample = rows[at]
+            move = (fresh.index_select(1, at).float() - old.index_select(1, sample).float()).mean(1, keepdim=True)
+            want = (old.float() + move).to(dtype).index_copy_(1, rows, fresh)
+            got = torch.empty_like(old)
+            _shift(lib, got, old, fresh, _fresh_strides(fresh, 1), rows, sample, at, 1, threads=threads)
+            if not torch.equal(got, want):
+                raise RuntimeError(f"the shared-drift move {dtype} on {threads} thread(s) differs from torch's")
         x = torch.randn(6, 3, 34, generator=generator).to(dtype).transpose(0, 1)  # [3, 6, 34], rows 102 apart
         cos, sin = (torch.randn(6, 34, generator=generator).to(dtype) for _ in range(2))
         if not torch.equal(_rope(lib, x, cos, sin), decoder.apply_rope(x, cos, sin)):
@@ -372,13 +376,15 @@ def _rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 def _shift(lib: Kernels, out: torch.Tensor, old: torch.Tensor, fresh: torch.Tensor, fresh_strides: tuple[int, int],
            rows: torch.Tensor, sample: torch.Tensor, at: torch.Tensor, dim: int,
-           residual: torch.Tensor | None = None) -> None:
+           residual: torch.Tensor | None = None, threads: int | None = None) -> None:
     """The shared-drift move (cpu_kernels.c: SHIFT), tokens along `dim`: out and old contiguous and apart, fresh
     at its (outer, token) strides (_fresh_strides); rows, sample and at contiguous int64, in range, rows sorted and
-    distinct, as pick_rows makes them; residual (or None) contiguous as out, apart from it, takes += out."""
+    distinct, as pick_rows makes them; residual (or None) contiguous as out, apart from it, takes += out; on
+    `threads` threads (None: torch's)."""
     lib.shift[old.dtype](old.data_ptr(), fresh.data_ptr(), *fresh_strides, rows.data_ptr(), rows.numel(),
                          sample.data_ptr(), at.data_ptr(), sample.numel(), out.data_ptr(), old.shape[:dim].numel(),
-                         old.shape[dim], old.shape[dim + 1:].numel(), None if residual is None else residual.data_ptr())
+                         old.shape[dim], old.shape[dim + 1:].numel(), None if residual is None else residual.data_ptr(),
+                         threads or torch.get_num_threads())
 
 
 def _rope(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
