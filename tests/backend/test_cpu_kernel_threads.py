@@ -85,15 +85,17 @@ def test_the_attention_gives_one_threads_bits_on_any_thread_count(shape, on_thre
 
 @needs_threads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["decoder", "tower-qkv", "small"])
+@pytest.mark.parametrize("layout", ["decoder", "tower-qkv", "heads", "small"])
 def test_the_shared_drift_move_gives_one_threads_bits_on_any_thread_count(dtype, layout, on_threads):
     """The move splits its (outer, token) items: a decoder layer's [196, 512] with its residual stream (tokens
-    split), the tower's permuted q|k|v [3, 6, 196, 64] (outer rows split, each part's own moves), and a move too
-    small to split; torch's bits on every count."""
+    split), the tower's permuted q|k|v [3, 6, 196, 64] (outer rows split, each part's own moves), per head [3, 100,
+    256] (two threads split the second head's tokens, three the second's and the third's), and a move too small to
+    split; torch's bits on every count."""
     from vla_node.runtime.vision_cache import shift_reused
 
     generator = torch.Generator().manual_seed(4)
-    shape, dim = {"decoder": ((196, 512), 0), "tower-qkv": ((3, 6, 196, 64), 2), "small": ((23, 64), 0)}[layout]
+    shape, dim = {"decoder": ((196, 512), 0), "tower-qkv": ((3, 6, 196, 64), 2), "heads": ((3, 100, 256), 1),
+                  "small": ((23, 64), 0)}[layout]
     tokens = shape[dim]
     old = torch.randn(shape, generator=generator).to(dtype)
     rows = torch.randperm(tokens, generator=generator)[: tokens // 3].sort().values
@@ -103,7 +105,7 @@ def test_the_shared_drift_move_gives_one_threads_bits_on_any_thread_count(dtype,
     fresh = torch.randn(fresh_shape, generator=generator).to(dtype)
     if layout == "tower-qkv":  # [n, 3, H, hd] permuted to [3, H, n, hd], as the tower's one q|k|v matmul gives it
         fresh = fresh.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-    stream = torch.randn(shape, generator=generator).to(dtype) if layout != "tower-qkv" else None
+    stream = torch.randn(shape, generator=generator).to(dtype) if layout in ("decoder", "small") else None
 
     def run():
         out, residual = torch.empty_like(old), None if stream is None else stream.clone()
