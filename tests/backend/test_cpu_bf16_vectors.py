@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.oracles import torch_shift
 from vla_node.backends import cpu_kernels
 from vla_node.model import decoder
 
@@ -106,13 +107,6 @@ def test_apply_rope_runs_the_kernel_in_inference():
     assert calls and torch.equal(got, decoder.apply_rope(x, cos, sin))
 
 
-def _torch_shift(old, new, rows, sample):
-    """shift_reused's torch form over tokens (dim 0): a copy to fp32, the add, a copy back, the index_copy."""
-    at = torch.searchsorted(rows, sample)
-    move = (new.index_select(0, at).float() - old.index_select(0, sample).float()).mean(0, keepdim=True)
-    return (old.float() + move).to(old.dtype).index_copy_(0, rows, new)
-
-
 @needs_kernels
 def test_the_bf16_move_rounds_special_values_as_torch_on_every_build(lib):
     """The bf16 move gives torch's bits for infinities, overflow to infinity, NaNs, bf16 and fp32 subnormals, near
@@ -127,7 +121,7 @@ def test_the_bf16_move_rounds_special_values_as_torch_on_every_build(lib):
     new[1] += 1e-38  # the move: ~5e-39 in every lane, an fp32 subnormal
     new[2, :40] += torch.randn(40, generator=generator).bfloat16() * 3e38  # overflowing lanes too
     stream = _with_special_values(torch.randn(tokens, width, generator=generator).bfloat16())
-    want = _torch_shift(old, new, rows, sample)
+    want = torch_shift(old, new, rows, sample, 0)
     want_stream = stream.clone().add_(want)
     out, got_stream = torch.empty_like(old), stream.clone()
     with torch.inference_mode():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.oracles import torch_shift
 from vla_node.backends import cpu_kernels
 from vla_node.model.config import preset
 from vla_node.model.decoder import RMSNorm
@@ -71,15 +72,6 @@ def test_rms_norm_leaves_for_torch_where_the_kernel_does_not_apply():
         assert torch.equal(norm(strided.bfloat16()), plain(strided.bfloat16()))  # fp32 weight, bf16 x
 
 
-def _torch_shift(old, new, rows, sample, dim):
-    """shift_reused's torch form (no kernel): a copy to fp32, the add, a copy back, the index_copy."""
-    out = torch.empty_like(old)
-    at = torch.searchsorted(rows, sample)
-    move = (new.index_select(dim, at).float() - old.index_select(dim, sample).float()).mean(dim, keepdim=True)
-    out.copy_((old.float() + move).to(old.dtype))
-    return out.index_copy_(dim, rows, new)
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["tokens-first", "heads", "permuted-qkv"])
@@ -102,7 +94,7 @@ def test_the_shared_drift_move_gives_torchs_bits(dtype, layout):
     out = torch.full_like(old, float("nan"))
     with torch.inference_mode():
         shift_reused(out, old, new, rows, sample, dim)
-    assert torch.equal(out, _torch_shift(old, new, rows, sample, dim))
+    assert torch.equal(out, torch_shift(old, new, rows, sample, dim))
     if layout == "permuted-qkv":
         assert not new.is_contiguous()  # the kernel read the view's own strides
 
@@ -123,7 +115,7 @@ def test_the_moves_mean_change_is_torchs_for_any_sample_size(dtype, samples):
     out = torch.empty_like(old)
     with torch.inference_mode():
         shift_reused(out, old, new, rows, sample, 0)
-    assert torch.equal(out, _torch_shift(old, new, rows, sample, 0))
+    assert torch.equal(out, torch_shift(old, new, rows, sample, 0))
 
 
 @needs_kernels
@@ -136,7 +128,7 @@ def test_the_move_adds_its_result_to_the_residual_stream_as_torch_does(dtype):
     new = torch.randn(5, 48, generator=generator).to(dtype)
     rows = torch.tensor([0, 4, 5, 11, 22])
     stream = (torch.randn(23, 48, generator=generator) * 30).to(dtype)
-    want_out = _torch_shift(old, new, rows, rows[[1, 3]], 0)
+    want_out = torch_shift(old, new, rows, rows[[1, 3]], 0)
     want = stream.clone().add_(want_out)
     out, got = torch.empty_like(old), stream.clone()
     with torch.inference_mode():
@@ -160,7 +152,7 @@ def test_a_layout_the_kernel_cannot_read_is_left_to_torch():
         assert cpu_kernels.shift(old, old, fresh.contiguous(), rows, rows[:1], rows[:1] * 0, 0) is False  # in place
         out = torch.empty_like(old)
         shift_reused(out, old, fresh, rows, rows[:1], 0)
-    assert torch.equal(out, _torch_shift(old, fresh, rows, rows[:1], 0))
+    assert torch.equal(out, torch_shift(old, fresh, rows, rows[:1], 0))
 
 
 def _tower_refreshes(dtype):

@@ -1,5 +1,5 @@
-"""Oracles and measurements only the tests use: dense attention over concatenated segments, frame ages, the
-gate's redundancy over a clip."""
+"""Oracles and measurements only the tests use: dense attention over concatenated segments, the shared-drift move
+in torch's ops, frame ages, the gate's redundancy over a clip."""
 
 from __future__ import annotations
 
@@ -82,3 +82,14 @@ def tick_step_case(name: str = "tiny"):
     with torch.inference_mode():
         outputs = dict(zip(("logits", "state_k", "state_v"), step(*inputs.values())))
     return step, inputs, outputs
+
+
+def torch_shift(old: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, sample: torch.Tensor,
+                dim: int) -> torch.Tensor:
+    """runtime/vision_cache.shift_reused's torch form (no kernel), tokens along `dim`: a copy to fp32, the add, a
+    copy back, the index_copy."""
+    out = torch.empty_like(old)
+    at = torch.searchsorted(rows, sample)
+    move = (new.index_select(dim, at).float() - old.index_select(dim, sample).float()).mean(dim, keepdim=True)
+    out.copy_((old.float() + move).to(old.dtype))
+    return out.index_copy_(dim, rows, new)

@@ -222,8 +222,18 @@ static inline bf16x32 widen32_bf16(__m512i bits) {
                      _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)))};
 }
 
-static inline bf16x32 load32_bf16(const uint16_t *p, __mmask32 m) { /* the values of mask m, 0 elsewhere */
-    return widen32_bf16(m == 0xffffffffu ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
+static inline __m512i load32_bits(const uint16_t *p, __mmask32 m) { /* the values of mask m, 0 elsewhere */
+    return m == 0xffffffffu ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p);
+}
+
+static inline bf16x32 load32_bf16(const uint16_t *p, __mmask32 m) { return widen32_bf16(load32_bits(p, m)); }
+
+static inline bf16x32 add32(bf16x32 a, bf16x32 b) {
+    return (bf16x32){_mm512_add_ps(a.even, b.even), _mm512_add_ps(a.odd, b.odd)};
+}
+
+static inline bf16x32 mul32(bf16x32 a, bf16x32 b) {
+    return (bf16x32){_mm512_mul_ps(a.even, b.even), _mm512_mul_ps(a.odd, b.odd)};
 }
 
 static inline __m512i round_high(__m512 v) { /* v rounded to bf16, in each lane's high half */
@@ -294,31 +304,19 @@ static void vla_shift_bf16_items(const void *arg, int64_t first, int64_t last) {
         const uint16_t *from = j < n && rows[j] == t ? fresh_o + j++ * call->fresh_token : NULL;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c == chunks - 1 ? tail : 0xffffffffu;
-            __m512i stored;
-            if (from) {
-                stored = m == 0xffffffffu ? _mm512_loadu_si512(from + 32 * c)
-                                          : _mm512_maskz_loadu_epi16(m, from + 32 * c);
-            } else {
-                const bf16x32 x = load32_bf16(old + at_t + 32 * c, m);
-                stored = narrow32_bf16((bf16x32){_mm512_add_ps(x.even, move[c].even),
-                                                 _mm512_add_ps(x.odd, move[c].odd)});
-            }
+            const __m512i stored = from ? load32_bits(from + 32 * c, m)
+                                        : narrow32_bf16(add32(load32_bf16(old + at_t + 32 * c, m), move[c]));
             store32_bits(out + at_t + 32 * c, stored, m);
         }
         if (acc)
             for (int64_t c = 0; c < chunks; c++) {
                 const __mmask32 m = c == chunks - 1 ? tail : 0xffffffffu;
-                const bf16x32 x = load32_bf16(acc + at_t + 32 * c, m), y = load32_bf16(out + at_t + 32 * c, m);
-                store32_bits(acc + at_t + 32 * c,
-                             narrow32_bf16((bf16x32){_mm512_add_ps(x.even, y.even), _mm512_add_ps(x.odd, y.odd)}), m);
+                const bf16x32 sum = add32(load32_bf16(acc + at_t + 32 * c, m), load32_bf16(out + at_t + 32 * c, m));
+                store32_bits(acc + at_t + 32 * c, narrow32_bf16(sum), m);
             }
     }
 }
 SHIFT_ENTRY(vla_shift_bf16, uint16_t)
-
-static inline bf16x32 mul32(bf16x32 a, bf16x32 b) {
-    return (bf16x32){_mm512_mul_ps(a.even, b.even), _mm512_mul_ps(a.odd, b.odd)};
-}
 
 /* ROPE for bf16, 32 values of a row at a time; the roll reads the other half's chunks where half of hd is a whole
  * number of them (hd 64, 128...), else a stack copy with the halves swapped. */
@@ -344,8 +342,7 @@ void vla_rope_bf16(const uint16_t *restrict x, int64_t x_head, int64_t x_row, co
                                                                    load32_bf16(c + 32 * k, m))));
                 const bf16x32 b = widen32_bf16(narrow32_bf16(mul32(load32_bf16(swapped + 32 * k, m),
                                                                    load32_bf16(s + 32 * k, m))));
-                store32_bits(o + 32 * k, narrow32_bf16((bf16x32){_mm512_add_ps(a.even, b.even),
-                                                                 _mm512_add_ps(a.odd, b.odd)}), m);
+                store32_bits(o + 32 * k, narrow32_bf16(add32(a, b)), m);
             }
         }
 }
