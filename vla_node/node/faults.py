@@ -79,20 +79,34 @@ def _parse_line(words: list[str], where: str) -> tuple[str, Fault]:
 _SHUFFLED: dict[float, list[int]] = {}  # per hold time: integers whose sort takes about that long here
 
 
+def _shuffled(count: int) -> list[int]:
+    items = list(range(max(1, count)))
+    random.Random(1).shuffle(items)
+    return items
+
+
 def hold_interpreter(ms: float) -> None:
     """Hold the interpreter lock for about ms: sorted() of shuffled integers runs in C and compares ints without
-    running bytecode, so no other thread of this process runs Python meanwhile (time.sleep would release it)."""
-    if ms not in _SHUFFLED:
-        items = list(range(100_000))
-        random.Random(0).shuffle(items)
-        start = time.perf_counter_ns()
-        sorted(items)
-        per_item_ns = (time.perf_counter_ns() - start) / len(items)
-        items = list(range(max(1, int(ms * 1e6 / per_item_ns))))
-        random.Random(1).shuffle(items)
-        _SHUFFLED[ms] = items
+    running bytecode, so no other thread of this process runs Python meanwhile (time.sleep would release it).
+
+    The list's length comes from the fastest of three timed sorts (a busy moment during one only lengthens the hold);
+    a hold that still ends early (the CPU faster than at calibration) lengthens the list for the next."""
+    items = _SHUFFLED.get(ms)
+    if items is None:
+        sample = _shuffled(100_000)
+        per_item_ns = min(_sort_ns(sample) for _ in range(3)) / len(sample)
+        items = _shuffled(int(ms * 1e6 / per_item_ns))
     log.warning("TEST-ONLY injected fault: holding the interpreter lock %g ms", ms)
-    sorted(_SHUFFLED[ms])
+    held_ns = _sort_ns(items)
+    if held_ns < ms * 1e6:
+        items = _shuffled(int(len(items) * 1.1 * ms * 1e6 / held_ns))
+    _SHUFFLED[ms] = items
+
+
+def _sort_ns(items: list[int]) -> int:
+    start = time.perf_counter_ns()
+    sorted(items)
+    return time.perf_counter_ns() - start
 
 
 class FaultFile:
