@@ -97,9 +97,9 @@ def hold_interpreter(ms: float) -> None:
         per_item_ns = min(_sort_ns(sample) for _ in range(3)) / len(sample)
         items = _shuffled(int(ms * 1e6 / per_item_ns))
     log.warning("TEST-ONLY injected fault: holding the interpreter lock %g ms", ms)
-    held_ns = _sort_ns(items)
-    if held_ns < ms * 1e6:
-        items = _shuffled(int(len(items) * 1.1 * ms * 1e6 / held_ns))
+    held_ns = max(1, _sort_ns(items))
+    if held_ns < ms * 1e6:  # to 1.1 x ms / held its length: only the shortfall is built and shuffled, after the hold
+        items.extend(_shuffled(int(len(items) * (1.1 * ms * 1e6 / held_ns - 1))))
     _SHUFFLED[ms] = items
 
 
