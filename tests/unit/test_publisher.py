@@ -88,8 +88,9 @@ def test_a_frames_figures_travel_with_its_chunk_over_the_link():
 
 
 def test_figures_of_a_stalled_worker_say_no_camera_is_alive():
-    """The worker's posted figures, and once they are older than the camera timeout every camera not alive (a
-    stalled worker learns of no frame); the publisher's own figures and the static ones beside them."""
+    """The worker's posted figures, and once they are older than a health period (the worker's posting cadence)
+    and the camera timeout every camera not alive (a stalled worker learns of no frame); the publisher's own
+    figures and the static ones beside them."""
     pub = publisher()
     pub.static = {"backend": "torch"}
     camera = {"alive": True, "rate_ok": True, "rate_hz": 10.0}
@@ -99,7 +100,13 @@ def test_figures_of_a_stalled_worker_say_no_camera_is_alive():
     assert fresh["level"] == 2 and fresh["cameras"]["front"]["alive"] and fresh["transport"]["reconnects"] == 1
     assert fresh["worker_age_ms"] == 100.0 and fresh["backend"] == "torch" and fresh["rss_bytes"] == 5
     assert fresh["publisher_rss_bytes"] > 0
-    stale = pub.health(10**9 + pub.spec.camera_timeout_ns + 1, clock)
+    # the worker posts once a health period on a phase of its own: figures a period old are its latest, not stale
+    # (judged on the camera timeout alone, a health message just before the next post said every camera dead)
+    spec = pub.spec
+    assert spec.health_period_ns >= spec.camera_timeout_ns, spec  # the launch files' case: period 0.5-1 s, 500 ms
+    due = pub.health(10**9 + spec.health_period_ns + spec.camera_timeout_ns, clock)
+    assert due["cameras"]["front"]["alive"], due
+    stale = pub.health(10**9 + spec.health_period_ns + spec.camera_timeout_ns + 1, clock)
     assert stale["cameras"]["front"] == {"alive": False, "rate_ok": False, "rate_hz": 10.0}
     assert camera["alive"]  # the posted figures themselves are not changed
     assert pub._level(None) == 2 and pub._level(0) == 0

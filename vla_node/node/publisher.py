@@ -49,7 +49,7 @@ class PublisherSpec:
     fallback_action: list
     fallback_hold: list
     health_period_ns: int
-    camera_timeout_ns: int     # the worker's figures older than this: no camera is known alive
+    camera_timeout_ns: int     # the worker's figures older than a health period and this: no camera is known alive
     started_ns: int            # the node's start (uptime_s)
     cpu_affinity: list         # realtime settings of this process
     sched_fifo_priority: int
@@ -183,12 +183,13 @@ class Publisher:
         return 0 if worker is None else worker["level"]
 
     def health(self, now: int, clock: ControlClock) -> dict:
-        """The health message: the worker's latest figures, and the publisher's own. Figures older than the camera
-        timeout (a stalled worker) say no camera is alive: nothing is known to arrive."""
+        """The health message: the worker's latest figures, and the publisher's own. The worker posts its figures
+        once a health period, on a phase of its own, so figures up to a period old are current; figures older than
+        that by the camera timeout (a stalled worker) say no camera is alive: nothing is known to arrive."""
         worker, worker_ns = self.broker.status()
         worker = dict(worker or {})
         reconnects, input_links = worker.pop("reconnects", 0), worker.pop("input_links", {})
-        if worker_ns and now - worker_ns > self.spec.camera_timeout_ns:
+        if worker_ns and now - worker_ns > self.spec.health_period_ns + self.spec.camera_timeout_ns:
             worker["cameras"] = {name: {**cam, "alive": False, "rate_ok": False}
                                  for name, cam in worker.get("cameras", {}).items()}
         return {
