@@ -1104,3 +1104,80 @@ LINEAR_S8_SIGNATURE(vla_linear_s8_f32, float) {
 PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_f32, float) {
     return -2;
 }
+
+/* One decoder layer (model/decoder.LlamaDecoderLayer) of a block of n rows over the layer's key buffer, in one call:
+ * the work MultiRatePolicy._run_block does a layer for the action tick's block over kv/prefix.PrefixBuffer, kernel by
+ * kernel, the same kernels in the same order, so the same bits (backends/native_rows.py):
+ *   h = rms_norm(x, norm_in); qkv = h Wqkv^T; q, k = rope(q, k); v
+ *   k, v -> the stage (the block's K/V out) and the buffer's slots [block_at, block_at + n)
+ *   attn = attention(q over the buffer's `keys` slots, bias [n, keys]); x = x + attn Wo^T
+ *   h = rms_norm(x, norm_post); x = x + ((h Wup^T) * silu(h Wgate^T)) Wdown^T
+ * x [n, width] bf16 is updated in place (each add in fp32, rounded once, as torch's); weights packed by
+ * vla_pack_linear_bf16; cos, sin [n, dim]; the stage and the buffer [kv_heads, slots, dim] at their (head, row)
+ * strides; workspaces as sized below. Returns 0; -1 when the attention's workspace cannot be allocated; -2 where the
+ * library was built without AVX512-BF16. */
+struct decoder_rows {
+    uint16_t *x;
+    int64_t n, width, heads, kv_heads, dim, inter;
+    const uint16_t *norm_in, *norm_post;                 /* [width] */
+    const uint16_t *w_qkv, *w_o, *w_gate, *w_up, *w_down; /* packed */
+    const uint16_t *cos, *sin;                           /* [n, dim] */
+    uint16_t *stage_k, *stage_v;
+    int64_t stage_head, stage_row;
+    uint16_t *buffer_k, *buffer_v;
+    int64_t buffer_head, buffer_row, keys, block_at;
+    const float *bias;
+    int64_t bias_row;
+    uint16_t *h;    /* [n, width] */
+    uint16_t *qkv;  /* [n, (heads + 2 kv_heads) dim] */
+    uint16_t *qk;   /* [heads + kv_heads, n, dim] */
+    uint16_t *attn; /* [n, heads dim] */
+    uint16_t *act;  /* [n, inter] */
+    uint16_t *prod; /* [n, inter] */
+    uint16_t *y;    /* [n, width] */
+    int64_t threads;
+    float eps, scale;
+};
+
+static void add_rows_bf16(uint16_t *x, const uint16_t *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
+}
+
+int vla_decoder_rows_bf16(const struct decoder_rows *c) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int64_t n = c->n, width = c->width, heads = c->heads, kv = c->kv_heads, dim = c->dim, inter = c->inter;
+    const int64_t cols = (heads + 2 * kv) * dim, threads = c->threads;
+    vla_rms_norm_bf16(c->x, c->norm_in, c->h, n, width, c->eps);
+    vla_linear_bf16(c->h, n, width, c->w_qkv, cols, width, NULL, 0, NULL, 0, c->qkv, cols, threads);
+    vla_rope_bf16(c->qkv, dim, cols, c->cos, c->sin, heads + kv, n, dim, c->qk); /* [n, cols] -> [H + KV, n, dim] */
+    for (int64_t j = 0; j < kv; j++)
+        for (int64_t r = 0; r < n; r++) {
+            const uint16_t *k = c->qk + ((heads + j) * n + r) * dim, *v = c->qkv + r * cols + (heads + kv + j) * dim;
+            const int64_t stage = j * c->stage_head + r * c->stage_row;
+            const int64_t slot = j * c->buffer_head + (c->block_at + r) * c->buffer_row;
+            memcpy(c->stage_k + stage, k, (size_t)dim * 2);
+            memcpy(c->stage_v + stage, v, (size_t)dim * 2);
+            memcpy(c->buffer_k + slot, k, (size_t)dim * 2);
+            memcpy(c->buffer_v + slot, v, (size_t)dim * 2);
+        }
+    if (vla_attention_bf16(c->qk, n * dim, dim, c->buffer_k, c->buffer_v, c->buffer_head, c->buffer_row, c->bias,
+                           c->bias_row, heads, kv, n, c->keys, dim, c->scale, c->attn, dim, heads * dim, threads))
+        return -1;
+    vla_linear_bf16(c->attn, n, heads * dim, c->w_o, width, heads * dim, NULL, 0, NULL, 0, c->y, width, threads);
+    add_rows_bf16(c->x, c->y, n * width);
+    vla_rms_norm_bf16(c->x, c->norm_post, c->h, n, width, c->eps);
+    vla_linear_bf16(c->h, n, width, c->w_gate, inter, width, NULL, 1, NULL, 0, c->act, inter, threads);
+    vla_linear_bf16(c->h, n, width, c->w_up, inter, width, NULL, 2, c->act, inter, c->prod, inter, threads);
+    vla_linear_bf16(c->prod, n, inter, c->w_down, width, inter, NULL, 0, NULL, 0, c->y, width, threads);
+    add_rows_bf16(c->x, c->y, n * width);
+    return 0;
+#else
+    (void)c;
+    return -2;
+#endif
+}
+
+int vla_decoder_rows_f32(const struct decoder_rows *c) { /* no fp32 form: the policy's own layers run */
+    (void)c;
+    return -2;
+}

@@ -86,6 +86,11 @@ class PrefixBuffer:
             raise ValueError(f"state partition of {partition.capacity} slots: expected {s}")
         partition.read_all(self.k[:, :, p : p + s], self.v[:, :, p : p + s])
 
+    @property
+    def block(self) -> int:
+        """The current block's rows (set_block)."""
+        return self._block
+
     def set_block(self, state_mask: torch.Tensor | None, block_mask: torch.Tensor | None, n: int) -> None:
         """The next block's n rows: state_mask bool [n, S] (None = no state visible), block_mask bool [n, n]
         (None = all)."""

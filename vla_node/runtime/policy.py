@@ -32,6 +32,7 @@ import torch
 from vla_node.backends import cpu_kernels
 from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
+from vla_node.backends.native_rows import NativeRows
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import (
     AttentionKernel,
@@ -54,7 +55,7 @@ from vla_node.model.vla import VLA, preprocess_frame, to_pixels
 from vla_node.runtime.compiled_tick import CompiledTick
 from vla_node.runtime.flow_tick import FlowTick
 from vla_node.runtime.reuse import ReuseConfig
-from vla_node.runtime.stages import Check, StageAborted, span
+from vla_node.runtime.stages import Check, StageAborted, span, stop
 from vla_node.runtime.vision_cache import ExtraRows, FrameTokenCache, VisionStageAborted, VisionTokenCache
 
 IMPORTANCE_POLICIES = ("h2o", "quota", "tiered")
@@ -188,6 +189,8 @@ class MultiRatePolicy:
             prefix_tokens = self.text.capacity + sum(p.capacity for p in self.vision.partitions)
             self._prefix = PrefixBuffer(L, KV, hd, prefix_tokens, c.state_slots, c.state_slots + c.action_tokens, dtype,
                                         dev, self.fused_attention, decoder_kernel)
+        # the tick's block through each decoder layer in one C call where every piece runs on the CPU kernels
+        self._native_rows = NativeRows.build(model.decoder.model.layers, self._prefix)
         # With the prefix buffer and parallel decoding, a commit of text or vision leaves the stored states stale and
         # the next tick recomputes them inside its own block (it reads the weights once for both); otherwise
         # _refresh_states recomputes them right after the commit.
@@ -239,6 +242,11 @@ class MultiRatePolicy:
     def compiled_tick(self) -> bool:
         """Whether the action tick runs compiled (use_compiled_tick)."""
         return self._compiled is not None
+
+    @property
+    def native_tick(self) -> bool:
+        """Whether the tick's block runs each decoder layer in one C call (backends/native_rows.py)."""
+        return self._native_rows is not None
 
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
@@ -315,6 +323,22 @@ class MultiRatePolicy:
             return self._prefix.attend(layer, q, k, v, None)
 
         return attend
+
+    def _prefix_block(self, x: torch.Tensor, positions: torch.Tensor, states: bool, out_k: torch.Tensor,
+                      out_v: torch.Tensor, check: Check | None) -> torch.Tensor:
+        """_run_block of the prefix buffer's block (set_block'ed) over the buffer (_over_prefix(states)): one C call a
+        layer where NativeRows runs (the same bits), else the layers' own calls."""
+        if self._native_rows is None:
+            return self._run_block(x, positions, self._over_prefix(states), out_k, out_v, check)
+        if states:
+            self._prefix.load_states(self.action)
+        cos, sin = self.model.decoder.rope(positions, x.dtype)
+        layers = self._native_rows.layers
+
+        def before_layer(i: int) -> None:
+            stop(check, i / layers, f"stopped before decoder layer {i}")
+
+        return self._native_rows.run(x, cos, sin, out_k, out_v, None if check is None else before_layer)
 
     def _text_segment(self, layer: int) -> Segment:
         """The text partition's valid slots only: update_text writes them in order from slot 0, so a block that
@@ -674,10 +698,10 @@ class MultiRatePolicy:
         importance = self._importance if self._track_importance else None
         if self._prefix is not None:
             self._prefix.set_block(self._old_states, self._tick_mask, n)
-            attend = self._over_prefix(states=True)
+            h = self._prefix_block(x, self._tick_positions, True, k, v, check)
         else:
-            attend = self._over_segments(prefix, self._tick_mask, importance)
-        h = self._run_block(x, self._tick_positions, attend, k, v, check)
+            h = self._run_block(x, self._tick_positions, self._over_segments(prefix, self._tick_mask, importance), k,
+                                v, check)
         return self._tick_bins(h[1:]), k[:, :, :1], v[:, :, :1], None
 
     def _fused_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
@@ -692,7 +716,7 @@ class MultiRatePolicy:
         n = 1 + n_old + c.action_tokens
         k, v = self._stage_k[:, :, :n], self._stage_v[:, :, :n]
         self._prefix.set_block(None, self._fused_masks[n_old], n)
-        h = self._run_block(x, positions, self._over_prefix(states=False), k, v, check)
+        h = self._prefix_block(x, positions, False, k, v, check)
         refreshed = (old, k[:, :, 1 : 1 + n_old], v[:, :, 1 : 1 + n_old], old_positions)
         return self._tick_bins(h[1 + n_old :]), k[:, :, :1], v[:, :, :1], refreshed
 
