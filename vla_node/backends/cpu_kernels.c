@@ -1177,6 +1177,156 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
 #endif
 }
 
+/* A decoder layer of a reuse frame's pass with the action tick's rows in it (runtime/vision_cache.FrameTokenCache.run,
+ * a partial run with the shared-drift sample, the extra rows attending over the tick's prefix buffer), in one call:
+ * the same kernels in the same order as the Python layer (backends/native_frame.py), so the same bits. Rows of x:
+ * the frame's T tokens, then the `extra` rows; `index` [picked + extra] the recomputed rows (sorted) then the extra
+ * rows, as rows of x. Below the last layer:
+ *   h = rms_norm(x, norm_in); k = rope(h Wk^T), v = h Wv^T (every row) -> the stage (frame rows) and extra_k/v
+ *   q = rope(h[index] Wq^T, picked rotary); stage_q = live_q with the picked rows' queries
+ *   attention of the picked rows over text | the frame's staged K/V; of the extra rows over the prefix buffer
+ *     (the frame's K/V copied to its slots [frame_at, frame_at + T), the rows' own to [block_at, block_at + extra))
+ *   out = attn Wo^T; stage_attn = shift(live_attn, out[:picked]), the frame's stream += it; extra rows += out[picked:]
+ *   mid = x[index]; out = MLP(rms_norm(mid, norm_post)); stage_mlp and the streams likewise
+ * The last layer (`last`): the K/V as above, then the extra rows alone through the rest of the layer (their queries
+ * at their own rotary rows). Returns 0; -1 when the attention's workspace cannot be allocated; -2 without
+ * AVX512-BF16. */
+struct frame_rows {
+    uint16_t *x;
+    int64_t tokens, extra, picked, last, width, heads, kv_heads, dim, inter;
+    const uint16_t *norm_in, *norm_post;
+    const uint16_t *w_q, *w_k, *w_v, *w_o, *w_gate, *w_up, *w_down; /* packed */
+    const uint16_t *cos, *sin;                                      /* [tokens + extra, dim] */
+    const uint16_t *picked_cos, *picked_sin;                        /* [picked + extra, dim] */
+    const int64_t *index, *sample, *at;
+    int64_t samples;
+    uint16_t *stage_k, *stage_v;                                    /* [kv_heads, tokens, dim] */
+    uint16_t *extra_k, *extra_v;
+    int64_t extra_head, extra_row;
+    uint16_t *stage_q;                                              /* [heads, tokens, dim] */
+    const uint16_t *live_q;
+    uint16_t *stage_attn, *stage_mlp;                               /* [tokens, width] */
+    const uint16_t *live_attn, *live_mlp;
+    const uint16_t *text_k, *text_v;
+    int64_t text_head, text_row, text_tokens;
+    uint16_t *buffer_k, *buffer_v;
+    int64_t buffer_head, buffer_row, keys, frame_at, block_at;
+    const float *bias;
+    int64_t bias_row;
+    uint16_t *h;       /* [tokens + extra, width] */
+    uint16_t *k, *v;   /* [tokens + extra, kv_heads dim] */
+    uint16_t *kr;      /* [kv_heads, tokens + extra, dim] */
+    uint16_t *q;       /* [tokens + extra, heads dim] */
+    uint16_t *qr;      /* [heads, tokens + extra, dim] */
+    uint16_t *gk, *gv; /* [kv_heads, text_tokens + tokens, dim] */
+    uint16_t *attn;    /* [tokens + extra, heads dim] */
+    uint16_t *out;     /* [tokens + extra, width] */
+    uint16_t *act, *prod; /* [tokens + extra, inter] */
+    int64_t threads;
+    float eps, scale;
+};
+
+static void copy_rows(uint16_t *to, int64_t to_row, const uint16_t *from, int64_t from_row, int64_t rows,
+                      int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) memcpy(to + r * to_row, from + r * from_row, (size_t)dim * 2);
+}
+
+static void gather_rows(uint16_t *to, const uint16_t *from, const int64_t *index, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) memcpy(to + r * width, from + index[r] * width, (size_t)width * 2);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The extra rows' queries qr [heads, rows, dim] at head stride q_head over the prefix buffer, into attn's rows. */
+static int frame_extra_attention(const struct frame_rows *c, const uint16_t *qr, int64_t q_head, uint16_t *attn) {
+    const int64_t T = c->tokens, ne = c->extra, dim = c->dim;
+    for (int64_t j = 0; j < c->kv_heads; j++) {
+        const int64_t frame = j * c->buffer_head + c->frame_at * c->buffer_row;
+        const int64_t block = j * c->buffer_head + c->block_at * c->buffer_row;
+        copy_rows(c->buffer_k + frame, c->buffer_row, c->stage_k + j * T * dim, dim, T, dim);
+        copy_rows(c->buffer_v + frame, c->buffer_row, c->stage_v + j * T * dim, dim, T, dim);
+        copy_rows(c->buffer_k + block, c->buffer_row, c->extra_k + j * c->extra_head, c->extra_row, ne, dim);
+        copy_rows(c->buffer_v + block, c->buffer_row, c->extra_v + j * c->extra_head, c->extra_row, ne, dim);
+    }
+    return vla_attention_bf16(qr, q_head, dim, c->buffer_k, c->buffer_v, c->buffer_head, c->buffer_row, c->bias,
+                              c->bias_row, c->heads, c->kv_heads, ne, c->keys, dim, c->scale, attn, dim,
+                              c->heads * dim, c->threads);
+}
+
+/* The MLP of rows [n, width] of h (normed already) into out [n, width]. */
+static void frame_mlp(const struct frame_rows *c, const uint16_t *h, int64_t n, uint16_t *out) {
+    const int64_t width = c->width, inter = c->inter;
+    vla_linear_bf16(h, n, width, c->w_gate, inter, width, NULL, 1, NULL, 0, c->act, inter, c->threads);
+    vla_linear_bf16(h, n, width, c->w_up, inter, width, NULL, 2, c->act, inter, c->prod, inter, c->threads);
+    vla_linear_bf16(c->prod, n, inter, c->w_down, width, inter, NULL, 0, NULL, 0, out, width, c->threads);
+}
+#endif
+
+int vla_frame_rows_bf16(const struct frame_rows *c) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int64_t T = c->tokens, ne = c->extra, R = T + ne, width = c->width, H = c->heads, KV = c->kv_heads;
+    const int64_t dim = c->dim, kvw = KV * dim, hw = H * dim, threads = c->threads;
+    uint16_t *x = c->x, *xe = c->x + T * width;
+    vla_rms_norm_bf16(x, c->norm_in, c->h, R, width, c->eps);
+    vla_linear_bf16(c->h, R, width, c->w_k, kvw, width, NULL, 0, NULL, 0, c->k, kvw, threads);
+    vla_rope_bf16(c->k, dim, kvw, c->cos, c->sin, KV, R, dim, c->kr); /* [R, KV dim] -> [KV, R, dim] */
+    vla_linear_bf16(c->h, R, width, c->w_v, kvw, width, NULL, 0, NULL, 0, c->v, kvw, threads);
+    for (int64_t j = 0; j < KV; j++) {
+        copy_rows(c->stage_k + j * T * dim, dim, c->kr + j * R * dim, dim, T, dim);
+        copy_rows(c->stage_v + j * T * dim, dim, c->v + j * dim, kvw, T, dim);
+        copy_rows(c->extra_k + j * c->extra_head, c->extra_row, c->kr + (j * R + T) * dim, dim, ne, dim);
+        copy_rows(c->extra_v + j * c->extra_head, c->extra_row, c->v + T * kvw + j * dim, kvw, ne, dim);
+    }
+    if (c->last) { /* the extra rows alone finish the layer */
+        vla_linear_bf16(c->h + T * width, ne, width, c->w_q, hw, width, NULL, 0, NULL, 0, c->q, hw, threads);
+        vla_rope_bf16(c->q, dim, hw, c->cos + T * dim, c->sin + T * dim, H, ne, dim, c->qr); /* -> [H, ne, dim] */
+        if (frame_extra_attention(c, c->qr, ne * dim, c->attn)) return -1;
+        vla_linear_bf16(c->attn, ne, hw, c->w_o, width, hw, NULL, 0, NULL, 0, c->out, width, threads);
+        add_rows_bf16(xe, c->out, ne * width);
+        vla_rms_norm_bf16(xe, c->norm_post, c->h, ne, width, c->eps);
+        frame_mlp(c, c->h, ne, c->out);
+        add_rows_bf16(xe, c->out, ne * width);
+        return 0;
+    }
+    const int64_t n = c->picked, m = n + ne, text = c->text_tokens, keys = text + T;
+    gather_rows(c->q, c->h, c->index, m, width); /* h[index] (the query matmul's input), in q's room */
+    vla_linear_bf16(c->q, m, width, c->w_q, hw, width, NULL, 0, NULL, 0, c->attn, hw, threads);
+    vla_rope_bf16(c->attn, dim, hw, c->picked_cos, c->picked_sin, H, m, dim, c->qr); /* -> [H, m, dim] */
+    memcpy(c->stage_q, c->live_q, (size_t)(H * T * dim) * 2);
+    for (int64_t head = 0; head < H; head++)
+        for (int64_t r = 0; r < n; r++)
+            memcpy(c->stage_q + (head * T + c->index[r]) * dim, c->qr + (head * m + r) * dim, (size_t)dim * 2);
+    for (int64_t j = 0; j < KV; j++) { /* text | the frame's staged K/V, gathered as gather_attention does */
+        copy_rows(c->gk + j * keys * dim, dim, c->text_k + j * c->text_head, c->text_row, text, dim);
+        copy_rows(c->gv + j * keys * dim, dim, c->text_v + j * c->text_head, c->text_row, text, dim);
+        copy_rows(c->gk + (j * keys + text) * dim, dim, c->stage_k + j * T * dim, dim, T, dim);
+        copy_rows(c->gv + (j * keys + text) * dim, dim, c->stage_v + j * T * dim, dim, T, dim);
+    }
+    if (vla_attention_bf16(c->qr, m * dim, dim, c->gk, c->gv, keys * dim, dim, NULL, 0, H, KV, n, keys, dim,
+                           c->scale, c->attn, dim, hw, threads)
+        || frame_extra_attention(c, c->qr + n * dim, m * dim, c->attn + n * hw))
+        return -1;
+    vla_linear_bf16(c->attn, m, hw, c->w_o, width, hw, NULL, 0, NULL, 0, c->out, width, threads);
+    vla_shift_bf16(c->live_attn, c->out, 0, width, c->index, n, c->sample, c->at, c->samples, c->stage_attn, 1, T,
+                   width, x, threads);
+    add_rows_bf16(xe, c->out + n * width, ne * width);
+    gather_rows(c->q, x, c->index, m, width); /* the MLP's rows of the streams, in q's room */
+    vla_rms_norm_bf16(c->q, c->norm_post, c->h, m, width, c->eps);
+    frame_mlp(c, c->h, m, c->out);
+    vla_shift_bf16(c->live_mlp, c->out, 0, width, c->index, n, c->sample, c->at, c->samples, c->stage_mlp, 1, T,
+                   width, x, threads);
+    add_rows_bf16(xe, c->out + n * width, ne * width);
+    return 0;
+#else
+    (void)c;
+    return -2;
+#endif
+}
+
+int vla_frame_rows_f32(const struct frame_rows *c) { /* no fp32 form: the frame cache's own layers run */
+    (void)c;
+    return -2;
+}
+
 int vla_decoder_rows_f32(const struct decoder_rows *c) { /* no fp32 form: the policy's own layers run */
     (void)c;
     return -2;

@@ -43,7 +43,7 @@ class DecoderRows(ctypes.Structure):
                 ("threads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-def _kernel_linear(module) -> torch.Tensor | None:
+def kernel_linear(module) -> torch.Tensor | None:
     """The packed bf16 weight of a PackedLinear or PackedQKV on the bf16 linear kernel without a bias, else None."""
     if not isinstance(module, (PackedLinear, PackedQKV)):
         return None
@@ -51,7 +51,7 @@ def _kernel_linear(module) -> torch.Tensor | None:
     return matmul.weight if matmul.kernel and not matmul.int8 and matmul.bias is None else None
 
 
-def _layer_weights(layer) -> dict[str, torch.Tensor] | None:
+def layer_weights(layer) -> dict[str, torch.Tensor] | None:
     """A decoder layer's operands for the C call, or None where one of its pieces does not run on the kernels."""
     a, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -59,9 +59,9 @@ def _layer_weights(layer) -> dict[str, torch.Tensor] | None:
         return None
     if any(type(n) is not cpu_kernels.KernelRMSNorm or n.weight.dtype != torch.bfloat16 for n in norms):
         return None
-    weights = {"w_qkv": _kernel_linear(a.__dict__.get("qkv")), "w_o": _kernel_linear(a.o_proj),
-               "w_gate": _kernel_linear(mlp.gate_proj), "w_up": _kernel_linear(mlp.up_proj),
-               "w_down": _kernel_linear(mlp.down_proj)}
+    weights = {"w_qkv": kernel_linear(a.__dict__.get("qkv")), "w_o": kernel_linear(a.o_proj),
+               "w_gate": kernel_linear(mlp.gate_proj), "w_up": kernel_linear(mlp.up_proj),
+               "w_down": kernel_linear(mlp.down_proj)}
     if any(w is None for w in weights.values()):
         return None
     return {**weights, "norm_in": norms[0].weight.detach(), "norm_post": norms[1].weight.detach()}
@@ -106,7 +106,7 @@ class NativeRows:
         a = layers[0].self_attn
         if not cpu_kernels.attention_fits(a.head_dim) or a.head_dim > cpu_kernels.MAX_HEAD_DIM:
             return None
-        weights = [_layer_weights(layer) for layer in layers]
+        weights = [layer_weights(layer) for layer in layers]
         if any(w is None for w in weights):
             return None
         return cls(lib.decoder_rows[torch.bfloat16], layers, prefix, weights)

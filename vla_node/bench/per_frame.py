@@ -98,8 +98,9 @@ def path_name(config: NodeConfig) -> str:
     makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
     where it runs (policy.attention_kernels), the packed matmuls on the fused CPU kernels' linear where
     packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
-    16 rows with AMX, else 8), with both kernels the tick's block through each decoder layer in one C call
-    (backends/native_rows.py), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
+    16 rows with AMX, else 8), with both kernels the decoder's layers in one C call each (backends/native_rows.py:
+    the tick's block; native_frame.py: a reuse frame's with the tick in its pass, where the vision partition is
+    INT8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
     it did)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
@@ -112,7 +113,7 @@ def path_name(config: NodeConfig) -> str:
         parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
                      f"rows padded to {bucket_step()}")
         if kernel_matmuls() and attention_kernels(s.model_config(), dtype, torch.device(s.device))[0] is not None:
-            parts.append("the tick's decoder layers one C call each")
+            parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
     elif s.weight_format == "int8":
         parts.append("matmuls on the AVX512-VNNI int8 linear kernel")
     if s.resolved_compiled_tick:
@@ -128,9 +129,11 @@ def eager_policy(config: NodeConfig) -> MultiRatePolicy:
     if config.model.resolved_compiled_tick and not policy.compiled_tick:
         raise RuntimeError("model.compiled_tick resolves on, but the tick could not be compiled (see the warning "
                            "above): the figures would be the eager tick's")
-    if ("one C call" in path_name(config)) != policy.native_tick:
-        raise RuntimeError(f"the policy's tick layers {'do not ' * (not policy.native_tick)}run one C call each, "
-                           f"unlike its path's name: {path_name(config)}")
+    claimed = "one C call" in path_name(config)
+    frame = claimed and config.cache.vision.storage_dtype == "int8" and policy.config.vision_frames == 1
+    if (claimed, frame) != (policy.native_tick, policy.native_frame and frame):
+        raise RuntimeError(f"the policy's decoder layers one C call each (tick {policy.native_tick}, reuse frame "
+                           f"{policy.native_frame}), unlike its path's name: {path_name(config)}")
     policy.compile_kernels()
     return policy
 

@@ -32,6 +32,7 @@ import torch
 from vla_node.backends import cpu_kernels
 from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
+from vla_node.backends.native_frame import NativeFrame
 from vla_node.backends.native_rows import NativeRows
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import (
@@ -218,6 +219,10 @@ class MultiRatePolicy:
         # it recomputes are those a tick after the commit would recompute
         self._frame_tick = (self._decoder_reuse and self._fuse_states and len(self.vision.partitions) == 1
                             and self.vision.partitions[0].capacity == c.tokens_per_frame)
+        if self._frame_tick and self._gathers_on_kernel():  # a reuse frame's layers in one C call each
+            self._frame_tokens.use_native(NativeFrame.build(model.decoder.model.layers, c.tokens_per_frame,
+                                                            c.state_slots + c.action_tokens, c.max_text_tokens,
+                                                            self._prefix))
         self._token_slots = torch.zeros(c.tokens_per_frame, dtype=torch.long)  # frame token -> vision slot
         self._vision_keep = torch.zeros(self.vision.partitions[0].capacity, dtype=torch.bool)
         self._importance = [torch.zeros(p.capacity) for p in self.vision.partitions]  # attention mass per slot
@@ -243,10 +248,22 @@ class MultiRatePolicy:
         """Whether the action tick runs compiled (use_compiled_tick)."""
         return self._compiled is not None
 
+    def _gathers_on_kernel(self) -> bool:
+        """Whether a block's attention over segments is gather_attention on the fused CPU kernel (_attend)."""
+        ws = getattr(self, "_workspace", None)
+        return (self.cache_config.attention == "gather" and not self._track_importance and ws is not None
+                and ws.kernel is not None and not ws.fused)
+
     @property
     def native_tick(self) -> bool:
         """Whether the tick's block runs each decoder layer in one C call (backends/native_rows.py)."""
         return self._native_rows is not None
+
+    @property
+    def native_frame(self) -> bool:
+        """Whether a reuse frame with the tick in its pass runs each decoder layer in one C call (where its tick
+        rows see the frame by a copy: INT8 vision storage; backends/native_frame.py)."""
+        return self._frame_tokens is not None and self._frame_tokens.native is not None
 
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
@@ -671,8 +688,8 @@ class MultiRatePolicy:
             return prefix.attend(layer, q, k_rows, v_rows, None)
 
         refreshed = (old, k[:, :, 1 : 1 + n_old], v[:, :, 1 : 1 + n_old], old_positions)
-        return _TickRows(slot, position, old, ExtraRows(x, positions, attend, k, v), k[:, :, :1], v[:, :, :1],
-                         refreshed, exact)
+        rows = ExtraRows(x, positions, attend, k, v, prefix=None if exact else (prefix, start))
+        return _TickRows(slot, position, old, rows, k[:, :, :1], v[:, :, :1], refreshed, exact)
 
     def _decode_tick(self, x_state: torch.Tensor, position: torch.Tensor, check: Check | None):
         """Parallel decoding: the state token and the H*D queries as one block, so a tick reads the weights

@@ -42,7 +42,9 @@ from vla_node.backends.refresh_rows import shared_sample
 from vla_node.model.vision import VisionTower, softmax_attention
 
 if TYPE_CHECKING:
+    from vla_node.backends.native_frame import NativeFrame
     from vla_node.kv.attention import Segment
+    from vla_node.kv.prefix import PrefixBuffer
 
 Check = Callable[[float], bool]  # called with the fraction done; False = stop now
 
@@ -64,6 +66,9 @@ class ExtraRows:
     out_k: torch.Tensor
     out_v: torch.Tensor
     hidden: torch.Tensor | None = None
+    # where `attend` is this: the frame's staged K/V copied into the prefix buffer's slots from `frame_at`, then
+    # PrefixBuffer.attend (its block set): (buffer, frame_at), which a NativeFrame may run in C; None: only `attend`
+    prefix: "tuple[PrefixBuffer, int] | None" = None
 
 
 def drifted_rows(x: torch.Tensor, x_ref: torch.Tensor, base: torch.Tensor | None, threshold: float | None,
@@ -377,10 +382,17 @@ class FrameTokenCache:
         self._x = torch.zeros(tokens + extra_rows, hidden, dtype=dtype)  # residual streams: the frame, extra rows
         self._wide = None if dtype == torch.float32 else torch.zeros(tokens * hidden)  # shift_reused's fp32 scratch
         self._extra_index = torch.arange(tokens, tokens + extra_rows)  # the extra rows' places in _x
+        self.native: NativeFrame | None = None  # use_native
         self.context: object = None  # what the cached state was computed against (the instruction); None = empty
         self._staged_context: object = None
         self._staged = False
         self.staged_rows = [0] * (L - 1)  # tokens recomputed per layer but the last by the staged run (accounting)
+
+    def use_native(self, native: "NativeFrame | None") -> None:
+        """Run a partial run's layers with extra rows attending over a prefix buffer (ExtraRows.prefix) as `native`
+        (backends/native_frame.py: the same bits in one C call a layer) where it applies: the caller's `attend` is
+        gather_attention on the CPU kernel, a shared-drift sample is drawn and no per-layer drift gate runs."""
+        self.native = native
 
     @property
     def staged_k(self) -> torch.Tensor:
@@ -419,6 +431,12 @@ class FrameTokenCache:
             xe.copy_(extra.x)
         extra_index = self._extra_index[:n_extra]
         fixed = None  # the rows every layer recomputes, once picked (without the per-layer drift gates)
+        if self._runs_native(tokens, extra):
+            fixed = self._pick(0, xs, tokens, cos, sin, extra_index)
+            if fixed.index is not None and fixed.rows.sample.numel():
+                self._run_native(xa, cos, sin, fixed, text, extra, check)
+                self._staged, self._staged_context = True, context
+                return
         n_layers = len(self.layers)
         for i, layer in enumerate(self.layers):
             if check is not None and not check(i / n_layers):
@@ -437,6 +455,26 @@ class FrameTokenCache:
             self._recompute_layer(i, layer, a, h, q_all, picked, xa, xs, xe, text, attend, extra, extra_index,
                                   Segment, apply_rope)
         self._staged, self._staged_context = True, context
+
+    def _runs_native(self, tokens: torch.Tensor | None, extra: ExtraRows | None) -> bool:
+        return (self.native is not None and tokens is not None and extra is not None and extra.prefix is not None
+                and not self._track_inputs and self.shared_drift_samples > 0)
+
+    def _run_native(self, xa: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, picked: _Picked,
+                    text: Callable[[int], Segment], extra: ExtraRows, check: Check | None) -> None:
+        """run's layers by self.native (use_native), the budget checked before each as run does."""
+        n_layers = len(self.layers)
+        live = {name: getattr(self, name) for name in ("q", "attn_out", "mlp_out")}
+        self.native.begin(xa, cos, sin, picked.rows, picked.index, picked.cos, picked.sin, self._stage, live,
+                          extra.out_k, extra.out_v, extra.prefix[1])
+        for i in range(n_layers):
+            if check is not None and not check(i / n_layers):
+                raise VisionStageAborted(f"stopped before decoder layer {i}")
+            segment = text(i)
+            self.native.layer(i, segment.k, segment.v)
+            if i < n_layers - 1:
+                self.staged_rows[i] = picked.rows.rows.numel()
+        extra.hidden = xa[self.tokens :]
 
     def _stage_kv(self, i: int, a, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, every_query: bool,
                   extra: ExtraRows | None, apply_rope: Callable) -> torch.Tensor | None:
