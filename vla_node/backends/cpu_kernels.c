@@ -1327,6 +1327,64 @@ int vla_frame_rows_f32(const struct frame_rows *c) { /* no fp32 form: the frame 
     return -2;
 }
 
+/* Half a vision tower layer of a partial refresh (runtime/vision_cache.VisionTokenCache._layer: the picked rows with
+ * the shared-drift sample), in one call: the same kernels in the same order as the Python layer, so the same bits
+ * (backends/native_tower.py). The layer norms stay torch's (their bits are its kernel's); `h` is the picked rows'
+ * normed input [picked, width]. part 0, the attention: qkv = h Wqkv^T + b; stage_qkv = shift(live_qkv, qkv) (the
+ * three [heads, tokens, dim] at once); attn = attention(q over the staged K/V); stage_attn = shift(live_attn,
+ * attn Wo^T + b), x += it. part 1, the MLP: stage_mlp = shift(live_mlp, fc2(gelu_tanh(fc1(h)))), x += it.
+ * Returns 0; -1 when the attention's workspace cannot be allocated; -2 without AVX512-BF16. */
+struct tower_rows {
+    uint16_t *x; /* [tokens, width] the camera's residual stream */
+    int64_t tokens, picked, width, heads, dim, inter, part;
+    const uint16_t *h;
+    const uint16_t *w_qkv, *w_o, *w_fc1, *w_fc2; /* packed */
+    const float *b_qkv, *b_o, *b_fc1, *b_fc2;    /* fp32 or NULL */
+    const int64_t *rows, *sample, *at;
+    int64_t samples;
+    uint16_t *stage_qkv; /* [3, heads, tokens, dim] */
+    const uint16_t *live_qkv;
+    uint16_t *stage_out; /* [tokens, width]: the attention's or the MLP's update */
+    const uint16_t *live_out;
+    uint16_t *qkv;  /* [picked, 3 width] */
+    uint16_t *attn; /* [picked, width] */
+    uint16_t *out;  /* [picked, width] */
+    uint16_t *act;  /* [picked, inter] */
+    int64_t threads;
+    float scale;
+};
+
+int vla_tower_rows_bf16(const struct tower_rows *c) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int64_t T = c->tokens, n = c->picked, W = c->width, H = c->heads, dim = c->dim, threads = c->threads;
+    if (c->part == 0) {
+        vla_linear_bf16(c->h, n, W, c->w_qkv, 3 * W, W, c->b_qkv, 0, NULL, 0, c->qkv, 3 * W, threads);
+        /* [n, 3 W] as [3, H, n, dim]: head stride dim, token stride 3 W */
+        vla_shift_bf16(c->live_qkv, c->qkv, dim, 3 * W, c->rows, n, c->sample, c->at, c->samples, c->stage_qkv,
+                       3 * H, T, dim, NULL, threads);
+        const uint16_t *k = c->stage_qkv + H * T * dim, *v = k + H * T * dim;
+        if (vla_attention_bf16(c->qkv, dim, 3 * W, k, v, T * dim, dim, NULL, 0, H, H, n, T, dim, c->scale, c->attn,
+                               dim, W, threads))
+            return -1;
+        vla_linear_bf16(c->attn, n, W, c->w_o, W, W, c->b_o, 0, NULL, 0, c->out, W, threads);
+    } else {
+        vla_linear_bf16(c->h, n, W, c->w_fc1, c->inter, W, c->b_fc1, 3, NULL, 0, c->act, c->inter, threads);
+        vla_linear_bf16(c->act, n, c->inter, c->w_fc2, W, c->inter, c->b_fc2, 0, NULL, 0, c->out, W, threads);
+    }
+    vla_shift_bf16(c->live_out, c->out, 0, W, c->rows, n, c->sample, c->at, c->samples, c->stage_out, 1, T, W, c->x,
+                   threads);
+    return 0;
+#else
+    (void)c;
+    return -2;
+#endif
+}
+
+int vla_tower_rows_f32(const struct tower_rows *c) { /* no fp32 form: the tower cache's own layers run */
+    (void)c;
+    return -2;
+}
+
 int vla_decoder_rows_f32(const struct decoder_rows *c) { /* no fp32 form: the policy's own layers run */
     (void)c;
     return -2;

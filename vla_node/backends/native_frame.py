@@ -24,7 +24,7 @@ import ctypes
 import torch
 
 from vla_node.backends import cpu_kernels
-from vla_node.backends.native_rows import kernel_linear, layer_weights
+from vla_node.backends.native_rows import address, kernel_linear, layer_weights
 from vla_node.kv.prefix import PrefixBuffer
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -48,11 +48,6 @@ class FrameRows(ctypes.Structure):
                 ("h", _P), ("k", _P), ("v", _P), ("kr", _P), ("q", _P), ("qr", _P), ("gk", _P), ("gv", _P),
                 ("attn", _P), ("out", _P), ("act", _P), ("prod", _P),
                 ("threads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-def _ptr(t: torch.Tensor, i: int) -> int:
-    """The address of t[i] (t contiguous along its first dim's stride)."""
-    return t.data_ptr() + i * t.stride(0) * t.element_size()
 
 
 class NativeFrame:
@@ -149,14 +144,14 @@ class NativeFrame:
                                                                    picked_cos.data_ptr(), picked_sin.data_ptr())
             call.index, call.sample, call.at = index.data_ptr(), rows.sample.data_ptr(), rows.at.data_ptr()
             call.samples = rows.sample.numel()
-            call.stage_k, call.stage_v = _ptr(stage["k"], i), _ptr(stage["v"], i)
-            call.extra_k, call.extra_v = _ptr(extra_k, i), _ptr(extra_v, i)
+            call.stage_k, call.stage_v = address(stage["k"], i), address(stage["v"], i)
+            call.extra_k, call.extra_v = address(extra_k, i), address(extra_v, i)
             call.extra_head, call.extra_row = extra_k.stride(1), extra_k.stride(2)
             call.frame_at = frame_at
             if i < self.layers - 1:
-                call.stage_q, call.live_q = _ptr(stage["q"], i), _ptr(live["q"], i)
-                call.stage_attn, call.live_attn = _ptr(stage["attn_out"], i), _ptr(live["attn_out"], i)
-                call.stage_mlp, call.live_mlp = _ptr(stage["mlp_out"], i), _ptr(live["mlp_out"], i)
+                call.stage_q, call.live_q = address(stage["q"], i), address(live["q"], i)
+                call.stage_attn, call.live_attn = address(stage["attn_out"], i), address(live["attn_out"], i)
+                call.stage_mlp, call.live_mlp = address(stage["mlp_out"], i), address(live["mlp_out"], i)
 
     def layer(self, i: int, text_k: torch.Tensor, text_v: torch.Tensor) -> None:
         """Layer i of the run begun, the picked rows attending over text_k, text_v [KV, n_text, hd] (bf16, one

@@ -43,6 +43,11 @@ class DecoderRows(ctypes.Structure):
                 ("threads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+def address(t: torch.Tensor, i: int) -> int:
+    """The address of t[i] (its first dim's stride apart)."""
+    return t.data_ptr() + i * t.stride(0) * t.element_size()
+
+
 def kernel_linear(module) -> torch.Tensor | None:
     """The packed bf16 weight of a PackedLinear or PackedQKV on the bf16 linear kernel without a bias, else None."""
     if not isinstance(module, (PackedLinear, PackedQKV)):
@@ -131,12 +136,11 @@ class NativeRows:
         self._x[:n].copy_(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         threads = torch.get_num_threads()
-        step_k, step_v = out_k.stride(0) * 2, out_v.stride(0) * 2  # bytes from one layer's K/V out to the next's
         for i, call in enumerate(self._calls):
             if before_layer is not None:
                 before_layer(i)
             call.n, call.cos, call.sin, call.threads = n, cos.data_ptr(), sin.data_ptr(), threads
-            call.stage_k, call.stage_v = out_k.data_ptr() + i * step_k, out_v.data_ptr() + i * step_v
+            call.stage_k, call.stage_v = address(out_k, i), address(out_v, i)
             call.stage_head, call.stage_row = out_k.stride(1), out_k.stride(2)
             if self._function(ctypes.byref(call)) == -1:
                 raise MemoryError("the attention kernel's workspace could not be allocated")

@@ -34,6 +34,7 @@ from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
 from vla_node.backends.native_frame import NativeFrame
 from vla_node.backends.native_rows import NativeRows
+from vla_node.backends.native_tower import NativeTower
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import (
     AttentionKernel,
@@ -207,6 +208,8 @@ class MultiRatePolicy:
                                             shared_drift_samples=reuse.shared_drift_samples,
                                             attention=fused_attention if self.fused_attention
                                             else cpu_kernels.unmasked_attention if tower_kernel else softmax_attention)
+        if tower_kernel and not self.fused_attention:  # a partial refresh's layers in two C calls each
+            self.tower_cache.use_native(NativeTower.build(self.model.vision))
         self._decoder_reuse = c.vision_frames == 1 and vcfg.policy == "fifo"
         self._frame_tokens = (FrameTokenCache(self.model.decoder.model.layers, self.model.decoder.rope,
                                               c.tokens_per_frame, dtype,

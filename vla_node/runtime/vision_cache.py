@@ -43,6 +43,7 @@ from vla_node.model.vision import VisionTower, softmax_attention
 
 if TYPE_CHECKING:
     from vla_node.backends.native_frame import NativeFrame
+    from vla_node.backends.native_tower import NativeTower
     from vla_node.kv.attention import Segment
     from vla_node.kv.prefix import PrefixBuffer
 
@@ -193,8 +194,15 @@ class VisionTokenCache:
         self._mask = torch.zeros(T, dtype=torch.bool)
         self._x = torch.zeros(T, W, dtype=dtype)  # the residual stream of the camera being refreshed
         self._wide = None if dtype == torch.float32 else torch.zeros(3 * T * W)  # shift_reused's fp32 scratch
+        self.native: NativeTower | None = None  # use_native
 
     _STATE = ("x_ref", "qkv", "attn_out", "mlp_out", "mid_ref", "out")
+
+    def use_native(self, native: "NativeTower | None") -> None:
+        """Run a partial refresh's layers but their norms as `native` (backends/native_tower.py: the same bits in two
+        C calls a layer) where it applies: the `attention` given is the CPU kernel's, a shared-drift sample is drawn
+        and no per-layer drift gate runs."""
+        self.native = native
 
     @property
     def q(self) -> torch.Tensor:
@@ -265,6 +273,12 @@ class VisionTokenCache:
         full = n == T
         xr = x if full else x.index_select(0, rows)  # [n, W]
         sqkv, sx = st["qkv"][i], st["x_ref"][i]  # [3, H, T, hd], [T, W]
+        if not full and self.native is not None and not self._track_inputs and sample.numel():
+            self.native.half(i, 0, x, layer.layer_norm1(xr), fixed, st, live)
+            if i == 0:
+                _stage_rows(sx, live["x_ref"][i], xr, rows)
+            self.native.half(i, 1, x, layer.layer_norm2(x.index_select(0, rows)), fixed, st, live)
+            return
         sq, sk, sv = sqkv
         h = layer.layer_norm1(xr)
         qkv = a.__dict__.get("qkv")  # packed weights' one q|k|v matmul (packed_weights.PackedQKV)

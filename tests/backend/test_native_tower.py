@@ -1,0 +1,96 @@
+"""backends/native_tower: a partial refresh's tower layers in two C calls each (the norms torch's) give the tower
+cache's own layers' bits, and run only where the Python path is the one they copy."""
+
+import numpy as np
+import pytest
+import torch
+
+from vla_node.backends import cpu_features, cpu_kernels
+from vla_node.backends.loading import convert_weights, load_model
+from vla_node.backends.native_tower import NativeTower
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.vla import build_vla
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.reuse import ReuseConfig
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
+    reason=f"the bf16 linear and attention kernels do not run here ({cpu_kernels.status()}; {cpu_features.describe()})")
+
+CONFIG = preset("tiny").replace(image_size=64, vision_width=64, vision_heads=4)  # 16 tokens; tower head_dim 16
+TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
+
+
+class Counted:
+    def __init__(self, native: NativeTower) -> None:
+        self.native, self.calls = native, 0
+
+    def half(self, *args) -> None:
+        self.calls += 1
+        self.native.half(*args)
+
+
+def _policy(reuse: ReuseConfig = ReuseConfig(shared_drift_samples=2)) -> MultiRatePolicy:
+    """The packed bf16 policy, its tower's biases random (a seeded model's are zero: a lost bias would not show)."""
+    model = build_vla(CONFIG, seed=7)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.vision.named_parameters():
+            if name.endswith("bias"):
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return MultiRatePolicy(convert_weights(model, "packed"), CacheConfig(), torch.bfloat16, reuse=reuse)
+
+
+def _drive(policy: MultiRatePolicy) -> list[torch.Tensor]:
+    """A full refresh, then partial ones with their tick: every chunk's logits, then the tower cache's state."""
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    out = []
+    policy.update_text("keep the lane")
+    for i in range(6):
+        frame = np.clip(base.astype(np.int16) + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+        tokens = None if i == 0 else [TOKENS[i % len(TOKENS)]]
+        state = np.full(CONFIG.state_dim, 0.1 * i, np.float32)
+        out.append(policy.update_vision(policy.prepare_frames([frame]), tokens, state=state).chunk.logits)
+    cache = policy.tower_cache
+    out.extend(getattr(cache, name) for name in ("x_ref", "qkv", "attn_out", "mlp_out", "out"))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_partial_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native, layers = _policy(), _policy()
+        assert native.tower_cache.native is not None, "NativeTower did not build for the packed bf16 policy"
+        counted = Counted(native.tower_cache.native)
+        native.tower_cache.use_native(counted)
+        layers.tower_cache.use_native(None)
+        got, want = _drive(native), _drive(layers)
+    finally:
+        torch.set_num_threads(previous)
+    assert counted.calls == 5 * CONFIG.vision_layers * 2  # the partial refreshes: two halves a layer
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
+
+
+def test_without_a_shared_drift_sample_the_tower_caches_own_layers_run():
+    policy = _policy(ReuseConfig(shared_drift_samples=0))
+    counted = Counted(policy.tower_cache.native)
+    policy.tower_cache.use_native(counted)
+    _drive(policy)
+    assert counted.calls == 0
+
+
+def test_it_builds_only_on_the_kernels_and_refuses_other_operands():
+    policy = _policy()
+    assert MultiRatePolicy(load_model(CONFIG, "plain", seed=7), CacheConfig(), torch.float32).tower_cache.native \
+        is None
+    native = policy.tower_cache.native
+    rows = type("Rows", (), {"rows": torch.tensor([1, 2]), "sample": torch.tensor([2]), "at": torch.tensor([1])})
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    state = {name: getattr(policy.tower_cache, name)[0] for name in ("qkv", "attn_out", "mlp_out")}
+    with pytest.raises(ValueError, match=r"rows \(3, 64\) torch.bfloat16 for 2 picked rows.* \[2, 64\]"):
+        native.half(0, 0, x, torch.zeros(3, 64, dtype=torch.bfloat16), rows, state, state)
