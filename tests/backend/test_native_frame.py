@@ -11,6 +11,7 @@ import torch
 from vla_node.backends import cpu_features, cpu_kernels
 from vla_node.backends.loading import load_model
 from vla_node.backends.native_frame import NativeFrame
+from vla_node.backends.packed_weights import packed_weights_available
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.kv.vision_config import VisionMemoryConfig
 from vla_node.model.config import preset
@@ -19,8 +20,9 @@ from vla_node.runtime.reuse import ReuseConfig
 from vla_node.runtime.stages import StageAborted
 
 pytestmark = pytest.mark.skipif(
-    not (cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
-    reason=f"the bf16 linear and attention kernels do not run here ({cpu_kernels.status()}; {cpu_features.describe()})")
+    not (packed_weights_available() and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
+    reason=f"packed bf16 weights on the bf16 linear kernel, and the attention kernel, do not run here "
+           f"({cpu_kernels.status()}; {cpu_features.describe()})")
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]

@@ -8,6 +8,7 @@ import torch
 from vla_node.backends import cpu_features, cpu_kernels
 from vla_node.backends.loading import convert_weights, load_model
 from vla_node.backends.native_tower import NativeTower
+from vla_node.backends.packed_weights import packed_weights_available
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
 from vla_node.model.vla import build_vla
@@ -15,8 +16,9 @@ from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reuse import ReuseConfig
 
 pytestmark = pytest.mark.skipif(
-    not (cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
-    reason=f"the bf16 linear and attention kernels do not run here ({cpu_kernels.status()}; {cpu_features.describe()})")
+    not (packed_weights_available() and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
+    reason=f"packed bf16 weights on the bf16 linear kernel, and the attention kernel, do not run here "
+           f"({cpu_kernels.status()}; {cpu_features.describe()})")
 
 CONFIG = preset("tiny").replace(image_size=64, vision_width=64, vision_heads=4)  # 16 tokens; tower head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
