@@ -62,7 +62,8 @@ def layer_weights(layer) -> dict[str, torch.Tensor] | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not isinstance(mlp, PackedSwiGLU) or mlp.gate_proj.activation != "silu":
         return None
-    if any(type(n) is not cpu_kernels.KernelRMSNorm or n.weight.dtype != torch.bfloat16 for n in norms):
+    if (any(type(n) is not cpu_kernels.KernelRMSNorm or n.weight.dtype != torch.bfloat16 for n in norms)
+            or norms[0].eps != norms[1].eps):  # the C layer takes one eps for both
         return None
     weights = {"w_qkv": kernel_linear(a.__dict__.get("qkv")), "w_o": kernel_linear(a.o_proj),
                "w_gate": kernel_linear(mlp.gate_proj), "w_up": kernel_linear(mlp.up_proj),
