@@ -1139,9 +1139,30 @@ struct decoder_rows {
     float eps, scale;
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) /* the native layers' pieces */
 static void add_rows_bf16(uint16_t *x, const uint16_t *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
 }
+
+static void copy_rows(uint16_t *to, int64_t to_row, const uint16_t *from, int64_t from_row, int64_t rows,
+                      int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) memcpy(to + r * to_row, from + r * from_row, (size_t)dim * 2);
+}
+
+static void gather_rows(uint16_t *to, const uint16_t *from, const int64_t *index, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) memcpy(to + r * width, from + index[r] * width, (size_t)width * 2);
+}
+
+/* Llama's MLP of rows h [n, width] (normed already) into out [n, width], as PackedSwiGLU runs it:
+ * down((h Wup^T) * silu(h Wgate^T)); act and prod [n, inter] its scratch. */
+static void swiglu_mlp(const uint16_t *h, int64_t n, int64_t width, int64_t inter, const uint16_t *w_gate,
+                       const uint16_t *w_up, const uint16_t *w_down, uint16_t *act, uint16_t *prod, uint16_t *out,
+                       int64_t threads) {
+    vla_linear_bf16(h, n, width, w_gate, inter, width, NULL, 1, NULL, 0, act, inter, threads);
+    vla_linear_bf16(h, n, width, w_up, inter, width, NULL, 2, act, inter, prod, inter, threads);
+    vla_linear_bf16(prod, n, inter, w_down, width, inter, NULL, 0, NULL, 0, out, width, threads);
+}
+#endif
 
 int vla_decoder_rows_bf16(const struct decoder_rows *c) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1150,25 +1171,21 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
     vla_rms_norm_bf16(c->x, c->norm_in, c->h, n, width, c->eps);
     vla_linear_bf16(c->h, n, width, c->w_qkv, cols, width, NULL, 0, NULL, 0, c->qkv, cols, threads);
     vla_rope_bf16(c->qkv, dim, cols, c->cos, c->sin, heads + kv, n, dim, c->qk); /* [n, cols] -> [H + KV, n, dim] */
-    for (int64_t j = 0; j < kv; j++)
-        for (int64_t r = 0; r < n; r++) {
-            const uint16_t *k = c->qk + ((heads + j) * n + r) * dim, *v = c->qkv + r * cols + (heads + kv + j) * dim;
-            const int64_t stage = j * c->stage_head + r * c->stage_row;
-            const int64_t slot = j * c->buffer_head + (c->block_at + r) * c->buffer_row;
-            memcpy(c->stage_k + stage, k, (size_t)dim * 2);
-            memcpy(c->stage_v + stage, v, (size_t)dim * 2);
-            memcpy(c->buffer_k + slot, k, (size_t)dim * 2);
-            memcpy(c->buffer_v + slot, v, (size_t)dim * 2);
-        }
+    for (int64_t j = 0; j < kv; j++) { /* k: rows of qk's head heads + j; v: qkv's columns of head heads + kv + j */
+        const uint16_t *k = c->qk + (heads + j) * n * dim, *v = c->qkv + (heads + kv + j) * dim;
+        const int64_t stage = j * c->stage_head, slot = j * c->buffer_head + c->block_at * c->buffer_row;
+        copy_rows(c->stage_k + stage, c->stage_row, k, dim, n, dim);
+        copy_rows(c->stage_v + stage, c->stage_row, v, cols, n, dim);
+        copy_rows(c->buffer_k + slot, c->buffer_row, k, dim, n, dim);
+        copy_rows(c->buffer_v + slot, c->buffer_row, v, cols, n, dim);
+    }
     if (vla_attention_bf16(c->qk, n * dim, dim, c->buffer_k, c->buffer_v, c->buffer_head, c->buffer_row, c->bias,
                            c->bias_row, heads, kv, n, c->keys, dim, c->scale, c->attn, dim, heads * dim, threads))
         return -1;
     vla_linear_bf16(c->attn, n, heads * dim, c->w_o, width, heads * dim, NULL, 0, NULL, 0, c->y, width, threads);
     add_rows_bf16(c->x, c->y, n * width);
     vla_rms_norm_bf16(c->x, c->norm_post, c->h, n, width, c->eps);
-    vla_linear_bf16(c->h, n, width, c->w_gate, inter, width, NULL, 1, NULL, 0, c->act, inter, threads);
-    vla_linear_bf16(c->h, n, width, c->w_up, inter, width, NULL, 2, c->act, inter, c->prod, inter, threads);
-    vla_linear_bf16(c->prod, n, inter, c->w_down, width, inter, NULL, 0, NULL, 0, c->y, width, threads);
+    swiglu_mlp(c->h, n, width, inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, c->y, threads);
     add_rows_bf16(c->x, c->y, n * width);
     return 0;
 #else
@@ -1226,15 +1243,6 @@ struct frame_rows {
     float eps, scale;
 };
 
-static void copy_rows(uint16_t *to, int64_t to_row, const uint16_t *from, int64_t from_row, int64_t rows,
-                      int64_t dim) {
-    for (int64_t r = 0; r < rows; r++) memcpy(to + r * to_row, from + r * from_row, (size_t)dim * 2);
-}
-
-static void gather_rows(uint16_t *to, const uint16_t *from, const int64_t *index, int64_t rows, int64_t width) {
-    for (int64_t r = 0; r < rows; r++) memcpy(to + r * width, from + index[r] * width, (size_t)width * 2);
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The extra rows' queries qr [heads, rows, dim] at head stride q_head over the prefix buffer, into attn's rows. */
 static int frame_extra_attention(const struct frame_rows *c, const uint16_t *qr, int64_t q_head, uint16_t *attn) {
@@ -1252,12 +1260,9 @@ static int frame_extra_attention(const struct frame_rows *c, const uint16_t *qr,
                               c->heads * dim, c->threads);
 }
 
-/* The MLP of rows [n, width] of h (normed already) into out [n, width]. */
+/* The MLP of rows h [n, width] (normed already) into out [n, width], on the frame call's weights and scratch. */
 static void frame_mlp(const struct frame_rows *c, const uint16_t *h, int64_t n, uint16_t *out) {
-    const int64_t width = c->width, inter = c->inter;
-    vla_linear_bf16(h, n, width, c->w_gate, inter, width, NULL, 1, NULL, 0, c->act, inter, c->threads);
-    vla_linear_bf16(h, n, width, c->w_up, inter, width, NULL, 2, c->act, inter, c->prod, inter, c->threads);
-    vla_linear_bf16(c->prod, n, inter, c->w_down, width, inter, NULL, 0, NULL, 0, out, width, c->threads);
+    swiglu_mlp(h, n, c->width, c->inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, out, c->threads);
 }
 #endif
 
