@@ -148,7 +148,13 @@ def test_a_run_of_other_operands_is_refused_with_what_was_expected():
     kv = torch.zeros(CONFIG.num_layers, CONFIG.num_kv_heads, 3, CONFIG.head_dim, dtype=torch.bfloat16)
     stage = policy._frame_tokens._stage
     with pytest.raises(ValueError, match=r"3 extra rows \(expected the prefix block's 4\)"):
-        native.begin(x, rot, rot, rows, torch.arange(5), rot[:5], rot[:5], stage, stage, kv, kv.clone(), 24)
+        native.begin(x, rot, rot, rows, torch.arange(5), rot[:5], rot[:5], stage, stage, kv, kv.clone(),
+                     (policy._prefix, 24))
     policy._prefix.set_block(None, None, 3)
     with pytest.raises(ValueError, match=r"cos \(19, 16\) torch.float32 \(expected \[19, 16\] bf16\)"):
-        native.begin(x, rot.float(), rot, rows, torch.arange(5), rot[:5], rot[:5], stage, stage, kv, kv.clone(), 24)
+        native.begin(x, rot.float(), rot, rows, torch.arange(5), rot[:5], rot[:5], stage, stage, kv, kv.clone(),
+                     (policy._prefix, 24))
+    other = _policy()._prefix
+    other.set_block(None, None, 3)
+    with pytest.raises(ValueError, match="another prefix buffer than this one's"):
+        native.begin(x, rot, rot, rows, torch.arange(5), rot[:5], rot[:5], stage, stage, kv, kv.clone(), (other, 24))

@@ -23,8 +23,7 @@ import ctypes
 
 import torch
 
-from vla_node.backends import cpu_kernels
-from vla_node.backends.native_rows import address, kernel_linear, layer_weights
+from vla_node.backends.native_rows import address, attends_on_kernel, kernel_linear, layer_weights, native_kernels
 from vla_node.kv.prefix import PrefixBuffer
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -84,12 +83,8 @@ class NativeFrame:
         """NativeFrame over the decoder's `layers` for frames of `tokens` with up to `extra_rows` rows beside them,
         text of up to `max_text` tokens and the tick's `prefix` buffer, or None where it does not apply (module
         docstring)."""
-        lib = cpu_kernels.library()
-        if (lib is None or prefix is None or prefix.k.dtype != torch.bfloat16 or prefix.k.device.type != "cpu"
-                or prefix.kernel is None or prefix.fused or not cpu_kernels.linear_kernel() or extra_rows < 1):
-            return None
-        a = layers[0].self_attn
-        if not cpu_kernels.attention_fits(a.head_dim) or a.head_dim > cpu_kernels.MAX_HEAD_DIM:
+        lib = native_kernels(layers[0].self_attn.head_dim)
+        if lib is None or not attends_on_kernel(prefix) or extra_rows < 1:
             return None
         weights = []
         for layer in layers:
@@ -103,14 +98,14 @@ class NativeFrame:
 
     def begin(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows, index: torch.Tensor,
               picked_cos: torch.Tensor, picked_sin: torch.Tensor, stage: dict, live: dict, extra_k: torch.Tensor,
-              extra_v: torch.Tensor, frame_at: int) -> None:
+              extra_v: torch.Tensor, prefix: tuple[PrefixBuffer, int]) -> None:
         """A run's operands, for every layer: x [T + n_extra, hidden] the residual streams (bf16, contiguous; the
         frame's, then the extra rows'); cos, sin [T + n_extra, hd] every row's rotary rows; `rows` the picked Rows
         (rows, sample, at; a sample of at least one), `index` [n + n_extra] those rows then the extra rows, as rows of
         x, and picked_cos, picked_sin theirs; `stage` and `live` the frame cache's staged and live state by name
         (k, v [L, KV, T, hd]; q [L - 1, H, T, hd]; attn_out, mlp_out [L - 1, T, hidden]; contiguous; `live` without
-        k and v); extra_k, extra_v
-        [L, KV, n_extra, hd] (one layout) the extra rows' K/V out; frame_at the prefix buffer's first vision slot."""
+        k and v); extra_k, extra_v [L, KV, n_extra, hd] (one layout) the extra rows' K/V out; `prefix` the extra
+        rows' ExtraRows.prefix: (this NativeFrame's prefix buffer, its first vision slot)."""
         t, n_extra, n = self.tokens, x.shape[0] - self.tokens, rows.rows.numel()
         first = self._calls[0]
         width, kv, dim = first.width, first.kv_heads, first.dim
@@ -132,6 +127,9 @@ class NativeFrame:
             bad.append("extra_k and extra_v of two layouts")
         if not 0 < n_extra <= self._work["h"].shape[0] - t or self._prefix.block != n_extra:
             bad.append(f"{n_extra} extra rows (expected the prefix block's {self._prefix.block})")
+        buffer, frame_at = prefix
+        if buffer is not self._prefix:
+            bad.append("the extra rows attend over another prefix buffer than this one's")
         if rows.sample.numel() == 0 or index.shape != (n + n_extra,):
             bad.append(f"a sample of {rows.sample.numel()} (expected 1 or more), index {tuple(index.shape)} (expected "
                        f"[{n + n_extra}])")

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from vla_node.backends import cpu_kernels
-from vla_node.backends.packed_weights import PackedLinear, PackedQKV, PackedSwiGLU
+from vla_node.backends.packed_weights import PackedLinear, PackedMatmul, PackedQKV, PackedSwiGLU
 from vla_node.kv.prefix import PrefixBuffer
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -48,25 +48,47 @@ def address(t: torch.Tensor, i: int) -> int:
     return t.data_ptr() + i * t.stride(0) * t.element_size()
 
 
-def kernel_linear(module) -> torch.Tensor | None:
-    """The packed bf16 weight of a PackedLinear or PackedQKV on the bf16 linear kernel without a bias, else None."""
-    if not isinstance(module, (PackedLinear, PackedQKV)):
+def kernel_matmul(module, activation: str = "none") -> PackedMatmul | None:
+    """The PackedMatmul of a PackedLinear or PackedQKV (which fuses no activation) with `activation` fused, where it
+    runs on the bf16 linear kernel (not int8), else None."""
+    if not isinstance(module, (PackedLinear, PackedQKV)) or getattr(module, "activation", "none") != activation:
         return None
     matmul = module.matmul
-    return matmul.weight if matmul.kernel and not matmul.int8 and matmul.bias is None else None
+    return matmul if matmul.kernel and not matmul.int8 else None
+
+
+def kernel_linear(module, activation: str = "none") -> torch.Tensor | None:
+    """kernel_matmul's packed bf16 weight where the matmul has no bias, else None."""
+    matmul = kernel_matmul(module, activation)
+    return matmul.weight if matmul is not None and matmul.bias is None else None
+
+
+def native_kernels(head_dim: int) -> cpu_kernels.Kernels | None:
+    """The loaded kernels where a native layer's pieces all run: the bf16 linear and the attention kernel, for heads
+    of `head_dim` (RoPE's bound too), else None."""
+    lib = cpu_kernels.library()
+    runs = (lib is not None and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None
+            and cpu_kernels.attention_fits(head_dim) and head_dim <= cpu_kernels.MAX_HEAD_DIM)
+    return lib if runs else None
+
+
+def attends_on_kernel(prefix: PrefixBuffer | None) -> bool:
+    """Whether the tick's prefix buffer attends by the attention kernel (bf16, on the CPU, not SDPA)."""
+    return (prefix is not None and prefix.k.dtype == torch.bfloat16 and prefix.k.device.type == "cpu"
+            and prefix.kernel is not None and not prefix.fused)
 
 
 def layer_weights(layer) -> dict[str, torch.Tensor] | None:
     """A decoder layer's operands for the C call, or None where one of its pieces does not run on the kernels."""
     a, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not isinstance(mlp, PackedSwiGLU) or mlp.gate_proj.activation != "silu":
+    if not isinstance(mlp, PackedSwiGLU):
         return None
     if (any(type(n) is not cpu_kernels.KernelRMSNorm or n.weight.dtype != torch.bfloat16 for n in norms)
             or norms[0].eps != norms[1].eps):  # the C layer takes one eps for both
         return None
     weights = {"w_qkv": kernel_linear(a.__dict__.get("qkv")), "w_o": kernel_linear(a.o_proj),
-               "w_gate": kernel_linear(mlp.gate_proj), "w_up": kernel_linear(mlp.up_proj),
+               "w_gate": kernel_linear(mlp.gate_proj, "silu"), "w_up": kernel_linear(mlp.up_proj),
                "w_down": kernel_linear(mlp.down_proj)}
     if any(w is None for w in weights.values()):
         return None
@@ -105,12 +127,8 @@ class NativeRows:
     def build(cls, layers, prefix: PrefixBuffer | None) -> "NativeRows | None":
         """NativeRows over `layers` (the decoder's) and `prefix`, or None where it does not apply (module
         docstring): the policy then runs its own layers."""
-        lib = cpu_kernels.library()
-        if (lib is None or prefix is None or prefix.k.dtype != torch.bfloat16 or prefix.k.device.type != "cpu"
-                or prefix.kernel is None or prefix.fused or not cpu_kernels.linear_kernel()):
-            return None
-        a = layers[0].self_attn
-        if not cpu_kernels.attention_fits(a.head_dim) or a.head_dim > cpu_kernels.MAX_HEAD_DIM:
+        lib = native_kernels(layers[0].self_attn.head_dim)
+        if lib is None or not attends_on_kernel(prefix):
             return None
         weights = [layer_weights(layer) for layer in layers]
         if any(w is None for w in weights):

@@ -22,9 +22,8 @@ import ctypes
 
 import torch
 
-from vla_node.backends import cpu_kernels
-from vla_node.backends.native_rows import address
-from vla_node.backends.packed_weights import PackedGeluMLP, PackedLinear, PackedQKV
+from vla_node.backends.native_rows import address, kernel_matmul, native_kernels
+from vla_node.backends.packed_weights import PackedGeluMLP
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -41,12 +40,9 @@ class TowerRows(ctypes.Structure):
 
 
 def _packed(module, activation: str) -> dict | None:
-    """A PackedLinear's or PackedQKV's packed bf16 weight and fp32 bias (or None) on the bf16 linear kernel with
-    `activation` fused, else None."""
-    if not isinstance(module, (PackedLinear, PackedQKV)) or getattr(module, "activation", "none") != activation:
-        return None
-    matmul = module.matmul
-    return {"weight": matmul.weight, "bias": matmul.bias} if matmul.kernel and not matmul.int8 else None
+    """kernel_matmul's packed bf16 weight and fp32 bias (or None), else None."""
+    matmul = kernel_matmul(module, activation)
+    return None if matmul is None else {"weight": matmul.weight, "bias": matmul.bias}
 
 
 class NativeTower:
@@ -76,11 +72,9 @@ class NativeTower:
     @classmethod
     def build(cls, tower) -> "NativeTower | None":
         """NativeTower over `tower`'s encoder layers, or None where it does not apply (module docstring)."""
-        lib = cpu_kernels.library()
         layers = tower.encoder.layers
-        a = layers[0].self_attn
-        if (lib is None or not cpu_kernels.linear_kernel() or cpu_kernels.attention_kernel() is None
-                or not cpu_kernels.attention_fits(a.head_dim)):
+        lib = native_kernels(layers[0].self_attn.head_dim)
+        if lib is None:
             return None
         weights = []
         for layer in layers:

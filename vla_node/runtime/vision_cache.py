@@ -480,7 +480,7 @@ class FrameTokenCache:
         n_layers = len(self.layers)
         live = {name: getattr(self, name) for name in ("q", "attn_out", "mlp_out")}
         self.native.begin(xa, cos, sin, picked.rows, picked.index, picked.cos, picked.sin, self._stage, live,
-                          extra.out_k, extra.out_v, extra.prefix[1])
+                          extra.out_k, extra.out_v, extra.prefix)
         for i in range(n_layers):
             if check is not None and not check(i / n_layers):
                 raise VisionStageAborted(f"stopped before decoder layer {i}")
