@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.backends import cpu_features, cpu_kernels
+from helpers.native_layers import Counted, needs_native_layers
 from vla_node.backends.loading import load_model
 from vla_node.backends.native_frame import NativeFrame
-from vla_node.backends.packed_weights import packed_weights_available
+from vla_node.backends.tick_engine import intra_op_threads
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.kv.vision_config import VisionMemoryConfig
 from vla_node.model.config import preset
@@ -19,27 +19,10 @@ from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.runtime.stages import StageAborted
 
-pytestmark = pytest.mark.skipif(
-    not (packed_weights_available() and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
-    reason=f"packed bf16 weights on the bf16 linear kernel, and the attention kernel, do not run here "
-           f"({cpu_kernels.status()}; {cpu_features.describe()})")
+pytestmark = needs_native_layers
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
-
-
-class Counted:
-    """Counts a NativeFrame's layer calls."""
-
-    def __init__(self, native: NativeFrame) -> None:
-        self.native, self.calls = native, 0
-
-    def begin(self, *args) -> None:
-        self.native.begin(*args)
-
-    def layer(self, *args) -> None:
-        self.calls += 1
-        self.native.layer(*args)
 
 
 def _policy(cache: CacheConfig = CacheConfig(), reuse: ReuseConfig = ReuseConfig()) -> MultiRatePolicy:
@@ -73,19 +56,15 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list[torch.Tens
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_reuse_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         reuse = ReuseConfig(shared_drift_samples=2)  # most tokens reused: their staged state is the live one's
         native, layers = _policy(reuse=reuse), _policy(reuse=reuse)
         assert native._frame_tokens.native is not None, "NativeFrame did not build for the packed bf16 policy"
-        counted = Counted(native._frame_tokens.native)
+        counted = Counted(native._frame_tokens.native, "layer")
         native._frame_tokens.use_native(counted)
         layers._frame_tokens.use_native(None)
         frames = _frames(6)
         got, want = _drive(native, frames), _drive(layers, frames)
-    finally:
-        torch.set_num_threads(previous)
     assert counted.calls == 4 * CONFIG.num_layers  # the partial frames: not the first, nor the one after new text
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
@@ -96,7 +75,7 @@ def test_a_budget_stop_inside_a_native_frame_commits_nothing():
     layers._frame_tokens.use_native(None)
     frames = _frames(3)
     state = np.zeros(CONFIG.state_dim, np.float32)
-    counted = Counted(native._frame_tokens.native)
+    counted = Counted(native._frame_tokens.native, "layer")
     native._frame_tokens.use_native(counted)
     for policy in (native, layers):
         policy.update_text("go")
@@ -122,7 +101,7 @@ def test_other_paths_run_the_frame_caches_own_layers(why, cache, reuse):
     policy = _policy(cache, reuse)
     native = policy._frame_tokens.native
     if native is not None:
-        counted = Counted(native)
+        counted = Counted(native, "layer")
         policy._frame_tokens.use_native(counted)
     _drive(policy, _frames(3))
     assert native is None or counted.calls == 0, why

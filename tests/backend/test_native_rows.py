@@ -6,26 +6,23 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.backends import cpu_features, cpu_kernels
+from helpers.native_layers import needs_native_layers
+from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import load_model
 from vla_node.backends.native_rows import NativeRows
-from vla_node.backends.packed_weights import packed_weights_available
+from vla_node.backends.tick_engine import intra_op_threads
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.stages import StageAborted
 
-pytestmark = pytest.mark.skipif(
-    not (packed_weights_available() and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
-    reason=f"packed bf16 weights on the bf16 linear kernel, and the attention kernel, do not run here "
-           f"({cpu_kernels.status()}; {cpu_features.describe()})")
+pytestmark = needs_native_layers
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 
 
-def _policies(threads: int = 1) -> tuple[MultiRatePolicy, MultiRatePolicy]:
+def _policies() -> tuple[MultiRatePolicy, MultiRatePolicy]:
     """Two policies of the same packed weights: the first's tick on NativeRows, the second's on its own layers."""
-    torch.set_num_threads(threads)
     native, layers = (MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
                       for _ in range(2))
     assert native._native_rows is not None, "NativeRows did not build for the packed bf16 policy"
@@ -65,13 +62,10 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_ticks_block_in_one_call_a_layer_gives_the_layers_own_bits(threads):
-    previous = torch.get_num_threads()
-    try:
-        native, layers = _policies(threads)
+    with intra_op_threads(threads):
+        native, layers = _policies()
         frames = _frames(4)
         got, want = _drive(native, frames), _drive(layers, frames)
-    finally:
-        torch.set_num_threads(previous)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         if isinstance(a, tuple):

@@ -5,32 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from vla_node.backends import cpu_features, cpu_kernels
+from helpers.native_layers import Counted, needs_native_layers
 from vla_node.backends.loading import convert_weights, load_model
-from vla_node.backends.native_tower import NativeTower
-from vla_node.backends.packed_weights import packed_weights_available
+from vla_node.backends.tick_engine import intra_op_threads
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
 from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reuse import ReuseConfig
 
-pytestmark = pytest.mark.skipif(
-    not (packed_weights_available() and cpu_kernels.linear_kernel() and cpu_kernels.attention_kernel() is not None),
-    reason=f"packed bf16 weights on the bf16 linear kernel, and the attention kernel, do not run here "
-           f"({cpu_kernels.status()}; {cpu_features.describe()})")
+pytestmark = needs_native_layers
 
 CONFIG = preset("tiny").replace(image_size=64, vision_width=64, vision_heads=4)  # 16 tokens; tower head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
-
-
-class Counted:
-    def __init__(self, native: NativeTower) -> None:
-        self.native, self.calls = native, 0
-
-    def half(self, *args) -> None:
-        self.calls += 1
-        self.native.half(*args)
 
 
 def _policy(reuse: ReuseConfig = ReuseConfig(shared_drift_samples=2)) -> MultiRatePolicy:
@@ -62,17 +49,13 @@ def _drive(policy: MultiRatePolicy) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_partial_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         native, layers = _policy(), _policy()
         assert native.tower_cache.native is not None, "NativeTower did not build for the packed bf16 policy"
-        counted = Counted(native.tower_cache.native)
+        counted = Counted(native.tower_cache.native, "half")
         native.tower_cache.use_native(counted)
         layers.tower_cache.use_native(None)
         got, want = _drive(native), _drive(layers)
-    finally:
-        torch.set_num_threads(previous)
     assert counted.calls == 5 * CONFIG.vision_layers * 2  # the partial refreshes: two halves a layer
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
@@ -80,7 +63,7 @@ def test_a_partial_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches
 
 def test_without_a_shared_drift_sample_the_tower_caches_own_layers_run():
     policy = _policy(ReuseConfig(shared_drift_samples=0))
-    counted = Counted(policy.tower_cache.native)
+    counted = Counted(policy.tower_cache.native, "half")
     policy.tower_cache.use_native(counted)
     _drive(policy)
     assert counted.calls == 0
