@@ -1,6 +1,8 @@
 """backends/native_tower: a partial refresh's tower layers in two C calls each (the norms torch's) give the tower
 cache's own layers' bits, and run only where the Python path is the one they copy."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -79,3 +81,22 @@ def test_it_builds_only_on_the_kernels_and_refuses_other_operands():
     state = {name: getattr(policy.tower_cache, name)[0] for name in ("qkv", "attn_out", "mlp_out")}
     with pytest.raises(ValueError, match=r"rows \(3, 64\) torch.bfloat16 for 2 picked rows.* \[2, 64\]"):
         native.half(0, 0, x, torch.zeros(3, 64, dtype=torch.bfloat16), rows, state, state)
+
+
+def test_bench_names_the_native_layers_that_run_and_refuses_a_name_they_do_not_match(monkeypatch):
+    """bench all's path name says which native layers run (`small`, bf16, packed), and its eager policy is an error,
+    not a mislabelled figure, where one of them did not build."""
+    from vla_node.backends import native_tower
+    from vla_node.bench import per_frame
+    from vla_node.config import NodeConfig
+
+    base = NodeConfig()
+    small = base.replace(model=dataclasses.replace(base.model, weights="packed", dtype="bf16"))  # tiny's tower heads
+    config = per_frame.compute_config(small, "bf16")  # (8 wide) are not the attention kernel's
+    name = per_frame.path_name(config)
+    assert "decoder layers one C call each" in name and "tower layers two C calls each" in name
+    policy = per_frame.eager_policy(config)
+    assert (policy.native_tick, policy.native_frame, policy.native_tower) == (True, True, True)
+    monkeypatch.setattr(native_tower.NativeTower, "build", classmethod(lambda cls, tower: None))
+    with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'tower': False, 'reuse frame': True\}"):
+        per_frame.eager_policy(config)

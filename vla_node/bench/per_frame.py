@@ -98,10 +98,10 @@ def path_name(config: NodeConfig) -> str:
     makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
     where it runs (policy.attention_kernels), the packed matmuls on the fused CPU kernels' linear where
     packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
-    16 rows with AMX, else 8), with both kernels the decoder's layers in one C call each (backends/native_rows.py:
-    the tick's block; native_frame.py: a reuse frame's with the tick in its pass, where the vision partition is
-    INT8), and the tick compiled where model.compiled_tick resolves on (eager_policy checks that
-    it did)."""
+    16 rows with AMX, else 8), with the linear kernel and the attention kernel the decoder's layers in one C call
+    each (backends/native_rows.py: the tick's block; native_frame.py: a reuse frame's with the tick in its pass,
+    where the vision partition is INT8) and the tower's in two (native_tower.py: a partial refresh), and the tick
+    compiled where model.compiled_tick resolves on (eager_policy checks that these ran)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
@@ -112,8 +112,11 @@ def path_name(config: NodeConfig) -> str:
     if s.weight_format == "packed":
         parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
                      f"rows padded to {bucket_step()}")
-        if kernel_matmuls() and attention_kernels(s.model_config(), dtype, torch.device(s.device))[0] is not None:
+        decoder_kernel, tower_kernel = attention_kernels(s.model_config(), dtype, torch.device(s.device))
+        if kernel_matmuls() and decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
+        if kernel_matmuls() and tower_kernel:
+            parts.append("tower layers two C calls each (a partial refresh)")
     elif s.weight_format == "int8":
         parts.append("matmuls on the AVX512-VNNI int8 linear kernel")
     if s.resolved_compiled_tick:
@@ -123,17 +126,20 @@ def path_name(config: NodeConfig) -> str:
 
 def eager_policy(config: NodeConfig) -> MultiRatePolicy:
     """The eager policy of `config` (compute_config), warmed up as the node's warm-up does, its tick compiled where
-    path_name says so: a compiled tick that could not be had (or a native tick path_name does not name) is an error
-    here, not a mislabelled figure."""
+    path_name says so: a compiled tick that could not be had (or native layers other than path_name names) is an
+    error here, not a mislabelled figure."""
     policy, _, _ = build_policies(config)
     if config.model.resolved_compiled_tick and not policy.compiled_tick:
         raise RuntimeError("model.compiled_tick resolves on, but the tick could not be compiled (see the warning "
                            "above): the figures would be the eager tick's")
-    claimed = "one C call" in path_name(config)
-    frame = claimed and config.cache.vision.storage_dtype == "int8" and policy.config.vision_frames == 1
-    if (claimed, frame) != (policy.native_tick, policy.native_frame and frame):
-        raise RuntimeError(f"the policy's decoder layers one C call each (tick {policy.native_tick}, reuse frame "
-                           f"{policy.native_frame}), unlike its path's name: {path_name(config)}")
+    name, vision = path_name(config), config.cache.vision
+    tick = "decoder layers one C call each" in name
+    named = {"tick": tick, "tower": "tower layers two C calls each" in name,
+             "reuse frame": tick and vision.storage_dtype == "int8" and vision.policy == "fifo"
+             and policy.config.vision_frames == 1}
+    ran = {"tick": policy.native_tick, "tower": policy.native_tower, "reuse frame": policy.native_frame}
+    if ran != named:
+        raise RuntimeError(f"the policy's native layers {ran}, unlike its path's name ({named}): {name}")
     policy.compile_kernels()
     return policy
 

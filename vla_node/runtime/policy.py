@@ -222,7 +222,8 @@ class MultiRatePolicy:
         # it recomputes are those a tick after the commit would recompute
         self._frame_tick = (self._decoder_reuse and self._fuse_states and len(self.vision.partitions) == 1
                             and self.vision.partitions[0].capacity == c.tokens_per_frame)
-        if self._frame_tick and self._gathers_on_kernel():  # a reuse frame's layers in one C call each
+        # a reuse frame's layers in one C call each, where its tick rows see the frame by a copy (INT8 storage)
+        if self._frame_tick and self.vision.partitions[0].spec.quantized and self._gathers_on_kernel():
             self._frame_tokens.use_native(NativeFrame.build(model.decoder.model.layers, c.tokens_per_frame,
                                                             c.state_slots + c.action_tokens, c.max_text_tokens,
                                                             self._prefix))
@@ -264,9 +265,14 @@ class MultiRatePolicy:
 
     @property
     def native_frame(self) -> bool:
-        """Whether a reuse frame with the tick in its pass runs each decoder layer in one C call (where its tick
-        rows see the frame by a copy: INT8 vision storage; backends/native_frame.py)."""
+        """Whether a reuse frame with the tick in its pass runs each decoder layer in one C call (INT8 vision
+        storage; backends/native_frame.py)."""
         return self._frame_tokens is not None and self._frame_tokens.native is not None
+
+    @property
+    def native_tower(self) -> bool:
+        """Whether a partial refresh runs each tower layer in two C calls (backends/native_tower.py)."""
+        return self.tower_cache.native is not None
 
     @staticmethod
     def _fused_mask(m: int, queries: int) -> torch.Tensor:
