@@ -1,7 +1,8 @@
 """The fused CPU kernels on torch's intra-op threads (backends/cpu_kernels.c: run_parts): the linear kernels split a
-matmul's column tiles, the attention its kv heads, among torch.get_num_threads() threads, each part computed as one
-thread computes it, so every thread count gives one thread's bits; the library shares torch's OpenMP runtime (one
-libgomp loaded in the process) and, built by a compiler without OpenMP, runs each call on its caller's thread."""
+matmul's column tiles (the bf16 one its rows too where the tiles do not split evenly), the attention its kv heads,
+among torch.get_num_threads() threads, each part computed as one thread computes it, so every thread count gives one
+thread's bits; the library shares torch's OpenMP runtime (one libgomp loaded in the process) and, built by a compiler
+without OpenMP, runs each call on its caller's thread."""
 
 import shutil
 from unittest.mock import patch
@@ -20,8 +21,9 @@ needs_threads = pytest.mark.skipif(
            f"libgomp.so.1 (kernels: {cpu_kernels.status()}; {cpu_features.describe()})")
 needs_vnni = pytest.mark.skipif("avx512_vnni" not in FLAGS, reason="the int8 linear kernel needs AVX512-VNNI")
 
-# rows, in, out: a reuse frame's decoder rows (32 tiles), the tick's, grouped K/V over a frame (3 tiles: split 1 | 2),
-# 21 tiles ending in 40 columns (a masked vector), a call too small to split (one thread whatever the count)
+# rows, in, out: a reuse frame's decoder rows (32 tiles), the tick's, grouped K/V over a frame (3 tiles: the bf16
+# kernel splits its rows), 21 tiles ending in 40 columns (a masked vector), a call too small to split (one thread
+# whatever the count)
 SHAPES = [(89, 512, 1536), (20, 512, 1536), (216, 512, 128), (7, 512, 1000), (5, 48, 58)]
 
 

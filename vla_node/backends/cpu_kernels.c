@@ -831,16 +831,18 @@ struct linear_call {
     const uint8_t *codes;    /* x's rows quantized, kp apart */
     int64_t kp;
     const float *row_scale;
+    int64_t row_parts; /* the bf16 linear's (linear_row_parts) */
 };
 
-static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
-    const struct linear_call *call = arg;
-    const uint16_t *x = call->x, *other = call->other, *packed = call->packed;
-    const int64_t m = call->m, ldx = call->ldx, k = call->k, ldo = call->ldo, ldy = call->ldy;
+/* Column tiles [first, last) of the call's rows [row0, row0 + m). */
+static void linear_bf16_range(const struct linear_call *call, int64_t row0, int64_t m, int64_t first, int64_t last) {
+    const uint16_t *x = call->x + row0 * call->ldx, *packed = call->packed;
+    const uint16_t *other = call->other ? call->other + row0 * call->ldo : NULL;
+    const int64_t ldx = call->ldx, k = call->k, ldo = call->ldo, ldy = call->ldy;
     const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
     const float *bias = call->bias;
     const int op = call->op;
-    uint16_t *y = call->y;
+    uint16_t *y = call->y + row0 * ldy;
     const int64_t blocks = (m + LINEAR_ROWS - 1) / LINEAR_ROWS; /* row blocks as even as they go: 17 -> 9 + 8 */
     for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
@@ -869,12 +871,34 @@ static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
     }
 }
 
+/* Items [first, last) of the call's row_parts * tiles (row part, column tile) pairs, row part by row part. */
+static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
+    const struct linear_call *call = arg;
+    const int64_t tiles = (call->n + LINEAR_TILE - 1) / LINEAR_TILE, parts = call->row_parts;
+    for (int64_t part = first / tiles; part < parts && part * tiles < last; part++) {
+        const int64_t row0 = call->m * part / parts, rows = call->m * (part + 1) / parts - row0;
+        const int64_t from = first > part * tiles ? first - part * tiles : 0;
+        const int64_t to = last < (part + 1) * tiles ? last - part * tiles : tiles;
+        linear_bf16_range(call, row0, rows, from, to);
+    }
+}
+
+/* Row parts of a threaded linear: where its column tiles do not split evenly among the threads (a decoder's 512
+ * columns are 11 tiles, its K or V's 128 three) and each thread still has LINEAR_SPLIT_ROWS rows or more (the
+ * products bound it, not the weight stream), each thread takes every tile of its share of the rows: the same
+ * products of the same rows, so the same bits. */
+#define LINEAR_SPLIT_ROWS (2 * LINEAR_ROWS)
+static int64_t linear_row_parts(int64_t m, int64_t tiles, int64_t threads) {
+    return threads > 1 && tiles % threads && m >= threads * LINEAR_SPLIT_ROWS ? threads : 1;
+}
+
 LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     if (k % 2 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
-    const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
-                                     .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy};
     const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
-    run_parts(linear_bf16_tiles, &call, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
+    const int64_t parts = linear_row_parts(m, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
+    const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
+                                     .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts};
+    run_parts(linear_bf16_tiles, &call, parts * tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 }
 

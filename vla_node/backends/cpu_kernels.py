@@ -25,7 +25,10 @@ beside torch's threads (a pool of the library's own, tried first, ran a reuse fr
 40 on one: its spinning workers and OpenMP's took turns on the two cores). Every part is computed as one thread
 computes it: the bits do not depend on the thread count. Two threads of a Zen 4 EPYC (2 vCPU), us against one: a
 frame's 89 rows x 512 -> 1536 374 against 699, the int8 kernel's 222 against 409; the attention of 89 rows over 268
-keys (8 heads on 2 kv heads) 197 against 376.
+keys (8 heads on 2 kv heads) 197 against 376. Where a call's column tiles do not split evenly among the threads
+and each thread has 18 rows or more, the bf16 linear gives each thread every tile of its share of the rows instead
+(the same bits): two threads of a Zen 5 EPYC, a frame's K projection 216 x 512 -> 128 (3 tiles) 31-33 us against
+38 by columns, 89 x 1536 -> 512 (11 tiles) 134-142 against 149-151.
 
 The C source is built at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3
 -march=native, -fopenmp as above where the compiler has it) into a cache directory (`$VLA_NODE_KERNEL_DIR`, else
