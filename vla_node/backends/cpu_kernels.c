@@ -278,11 +278,13 @@ static void vla_shift_bf16_items(const void *arg, int64_t first, int64_t last) {
     const __mmask32 tail = inner % 32 ? (__mmask32)((1u << (inner % 32)) - 1) : 0xffffffffu;
     bf16x32 move[MAX_INNER / 32];
     const uint16_t *fresh_o = NULL;
-    int64_t o = -1, j = 0;
-    for (int64_t item = first; item < last; item++) {
-        const int64_t t = item % tokens;
-        if (item / tokens != o) {
-            o = item / tokens;
+    int64_t o = first / tokens, t = first % tokens, j = 0;
+    for (int64_t item = first; item < last; item++, t++) { /* (o, t) = (item / tokens, item % tokens) */
+        if (t == tokens) {
+            t = 0;
+            o++;
+        }
+        if (item == first || t == 0) {
             fresh_o = fresh + o * call->fresh_outer;
             const uint16_t *old_o = old + o * tokens * inner;
             for (int64_t c = 0; c < chunks; c++) move[c] = (bf16x32){_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -636,6 +638,68 @@ static inline __attribute__((always_inline)) void pv_columns(
     }
 }
 
+/* r [16] rows of 16 32-bit values -> its transpose, in place. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* K [keys, dim] (rows kv_row apart) -> kt [pairs, kp]: each (d, d+1) pair of a key, key-major per pair, keys past
+ * `keys` zero; 16 keys by 16 pairs at a time, transposed in registers (the scalar form's strided stores, or a gather
+ * of 16 keys, took a tenth of the tower's attention on a Zen 5 core). pairs: a multiple of 8. */
+static void rearrange_keys(const uint16_t *kh, int64_t kv_row, int64_t keys, int64_t kp, int64_t pairs,
+                           uint32_t *kt) {
+    for (int64_t j = 0; j < kp; j += VL)
+        for (int64_t c = 0; c < pairs; c += VL) {
+            const int64_t width = pairs - c < VL ? pairs - c : VL;
+            const __mmask16 m = (__mmask16)((1u << width) - 1);
+            __m512i r[VL];
+            for (int i = 0; i < VL; i++)
+                r[i] = j + i < keys ? _mm512_maskz_loadu_epi32(m, kh + (j + i) * kv_row + 2 * c) : _mm512_setzero_si512();
+            transpose16_epi32(r);
+            for (int i = 0; i < width; i++) _mm512_storeu_si512(kt + (c + i) * kp + j, r[i]);
+        }
+}
+
+/* V [keys, dim] (rows kv_row apart) -> vp [kp / 2, dim]: rows 2i and 2i+1 interleaved (a (2i, 2i+1) pair per
+ * column), rows past `keys` zero; 32 columns at a time by two word permutes. */
+static void rearrange_values(const uint16_t *vh, int64_t kv_row, int64_t keys, int64_t kp, int64_t dim,
+                             uint32_t *vp) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < kp / 2; i++) {
+        const uint16_t *a = vh + 2 * i * kv_row, *b = a + kv_row;
+        const int live_a = 2 * i < keys, live_b = 2 * i + 1 < keys;
+        for (int64_t d = 0; d < dim; d += 2 * VL) {
+            const __mmask32 m = dim - d >= 2 * VL ? 0xffffffffu : (__mmask32)((1u << (dim - d)) - 1);
+            const __m512i x = live_a ? _mm512_maskz_loadu_epi16(m, a + d) : _mm512_setzero_si512();
+            const __m512i y = live_b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + i * dim + d, _mm512_permutex2var_epi16(x, low, y));
+            if (dim - d > VL)
+                _mm512_storeu_si512(vp + i * dim + d + VL, _mm512_permutex2var_epi16(x, high, y));
+        }
+    }
+}
+
 /* An attention call, for the threads that share its kv heads. */
 struct attention_call {
     const uint16_t *q, *k, *v;
@@ -668,20 +732,8 @@ static void attention_heads(const void *arg, int64_t first, int64_t last) { /* k
     uint16_t *p = (uint16_t *)(logits + ROW_BLOCK * kp); /* [ROW_BLOCK, kp] bf16 */
     uint32_t *qs = (uint32_t *)(p + ROW_BLOCK * kp); /* [ROW_BLOCK, pairs] */
     for (int64_t hk = first; hk < last; hk++) {
-        const uint16_t *kh = k + hk * kv_head, *vh = v + hk * kv_head;
-        for (int64_t j = 0; j < kp; j++) {
-            const uint16_t *kj = kh + j * kv_row;
-            for (int64_t c = 0; c < pairs; c++) {
-                uint32_t pair = 0;
-                if (j < keys) memcpy(&pair, kj + 2 * c, 4);
-                kt[c * kp + j] = pair;
-            }
-        }
-        for (int64_t i = 0; i < kp / 2; i++) {
-            const uint16_t *a = vh + 2 * i * kv_row, *b = a + kv_row;
-            for (int64_t d = 0; d < dim; d++)
-                vp[i * dim + d] = (2 * i < keys ? a[d] : 0u) | (uint32_t)(2 * i + 1 < keys ? b[d] : 0u) << 16;
-        }
+        rearrange_keys(k + hk * kv_head, kv_row, keys, kp, pairs, kt);
+        rearrange_values(v + hk * kv_head, kv_row, keys, kp, dim, vp);
         const int64_t n = group * rows; /* this kv head's query rows, (head, row) pairs in order */
         for (int64_t i0 = 0; i0 < n; i0 += ROW_BLOCK) {
             const int64_t block = n - i0 < ROW_BLOCK ? n - i0 : ROW_BLOCK;
