@@ -219,6 +219,7 @@ def test_load_frames_from_a_native_drive_resamples_like_a_camera(tmp_path):
             writer.add_frame("front", i, i * 40_000_000, "rgb8", 48, 64, rgb.tobytes())
     native = load_frames(path, "native", None, 32)
     assert [f[0, 0, 0] for f in native] == [10 * i for i in range(10)] and native[0].shape == (32, 32, 3)
+    assert all(f.flags.c_contiguous and f.flags.writeable for f in native)  # as the node's stacked frames lie
     # ticks 0, 100, 200, 300 ms show the latest frame at or before them: 0, 2 (80 ms), 5 (200 ms), 7 (280 ms)
     assert [f[0, 0, 0] for f in load_frames(path, 10, None, 32)] == [0, 20, 50, 70]
     assert len(load_frames(path, "native", 3, 32)) == 3

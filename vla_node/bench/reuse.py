@@ -136,7 +136,8 @@ def load_frames(path: str | Path, rate: str | float, max_frames: int | None, ima
     for rgb in source:
         if max_frames is not None and len(frames) >= max_frames:
             break
-        frames.append(np.array(preprocess_frame(rgb, image_size)))  # its own writable copy
+        # its own copy, laid out as the node's are (policy.prepare_frames stacks them), not as the resize's view
+        frames.append(np.array(preprocess_frame(rgb, image_size), order="C"))
     if len(frames) < 2:
         raise ValueError(f"{path} at {rate_label(rate)}: {len(frames)} frame(s); expected at least 2 (the first "
                          f"is always a full refresh)")
