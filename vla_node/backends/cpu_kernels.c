@@ -797,7 +797,9 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
  * the bias and the op applied in fp32 and the result rounded once to bf16 (op: 0 none, 1 SiLU, 2 times other
  * [m, n] bf16, 3 tanh-approximated GELU), as oneDNN's fused primitives do; the order of the k sums is this kernel's.
  * Streamed from memory (a tick's 48 MB of weights do not stay in a 32 MB L3), the hardware prefetcher alone left the
- * kernel waiting: a software prefetch keeps the next lines coming (module docstring's figures).
+ * kernel waiting: a software prefetch keeps the next lines coming (packed_weights' figures), the next tile's spread
+ * over this one's row blocks (a Zen 5 core, 120 MB of distinct weights in turn: 20 x 512 -> 1536 72-79 us against
+ * 83-85 with the whole next tile in the second block, 69 x 384 -> 1536 161-164 against 169).
  * x and other rows may be strided (ldx, ldo: elements), y's too (ldy). k is even; where n is not a multiple of 16
  * the last tile's columns are padded with zeros when packed (the packed weight holds n rounded up to 16 columns)
  * and its last vector is loaded and stored under a mask. */
@@ -831,13 +833,13 @@ static inline __m512 linear_op(__m512 s, int op, const uint16_t *other, __mmask1
 static inline __attribute__((always_inline)) void linear_block(
         const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
         const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, const char *ahead,
-        int64_t ahead_step, const int rows, const int vectors) {
+        int64_t ahead_lines, const int rows, const int vectors) {
     __m512 acc[LINEAR_ROWS][LINEAR_VECTORS];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vectors; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
         if (ahead)
-            for (int v = 0; v < vectors; v++) _mm_prefetch(ahead + p * ahead_step + 64 * v, _MM_HINT_T0);
+            for (int64_t l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + (p * ahead_lines + l) * 64, _MM_HINT_T0);
         __m512bh w[LINEAR_VECTORS];
         for (int v = 0; v < vectors; v++) w[v] = (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL);
         for (int r = 0; r < rows; r++) {
@@ -907,10 +909,14 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
             const int rows = (int)((m - r0) / (blocks - block));
             const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
             /* the weight stream prefetched LINEAR_AHEAD pairs ahead by the first block of rows (on into the next
-             * tile) and, while the second block rereads this tile from cache, the next tile's stream ahead of that */
-            const int64_t step = vectors * 64; /* bytes of the tile a pair takes */
-            const char *ahead = block == 0 ? (const char *)tile + LINEAR_AHEAD * step
-                              : block == 1 ? (const char *)(tile + cols * k) + LINEAR_AHEAD * step : NULL;
+             * tile) and, while the other blocks reread this tile from cache, the next tile's stream ahead of that,
+             * a share of it each (a few lines a pair): the whole of it in the second block outran the memory */
+            const char *next = (const char *)(tile + cols * k) + LINEAR_AHEAD * vectors * 64;
+            const int64_t share = (k / 2 * vectors + blocks - 2) / (blocks > 1 ? blocks - 1 : 1); /* lines */
+            const int64_t lines = (share + k / 2 - 1) / (k / 2);
+            const char *ahead = block == 0 ? (const char *)tile + LINEAR_AHEAD * vectors * 64
+                                           : next + (block - 1) * (k / 2) * lines * 64;
+            const int64_t step = block == 0 ? vectors : lines;
             if (vectors == 3) {
                 LINEAR_ROWS_SWITCH(3)
             } else if (vectors == 2) {
