@@ -664,7 +664,7 @@ static inline void transpose16_epi32(__m512i r[16]) {
 
 /* K [keys, dim] (rows kv_row apart) -> kt [pairs, kp]: each (d, d+1) pair of a key, key-major per pair, keys past
  * `keys` zero; 16 keys by 16 pairs at a time, transposed in registers (the scalar form's strided stores, or a gather
- * of 16 keys, took a tenth of the tower's attention on a Zen 5 core). pairs: a multiple of 8. */
+ * of 16 keys, took a tenth of the tower's attention on a Zen 5 core). */
 static void rearrange_keys(const uint16_t *kh, int64_t kv_row, int64_t keys, int64_t kp, int64_t pairs,
                            uint32_t *kt) {
     for (int64_t j = 0; j < kp; j += VL)
@@ -673,7 +673,8 @@ static void rearrange_keys(const uint16_t *kh, int64_t kv_row, int64_t keys, int
             const __mmask16 m = (__mmask16)((1u << width) - 1);
             __m512i r[VL];
             for (int i = 0; i < VL; i++)
-                r[i] = j + i < keys ? _mm512_maskz_loadu_epi32(m, kh + (j + i) * kv_row + 2 * c) : _mm512_setzero_si512();
+                r[i] = j + i < keys ? _mm512_maskz_loadu_epi32(m, kh + (j + i) * kv_row + 2 * c)
+                                    : _mm512_setzero_si512();
             transpose16_epi32(r);
             for (int i = 0; i < width; i++) _mm512_storeu_si512(kt + (c + i) * kp + j, r[i]);
         }
@@ -910,7 +911,9 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
             const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
             /* the weight stream prefetched LINEAR_AHEAD pairs ahead by the first block of rows (on into the next
              * tile) and, while the other blocks reread this tile from cache, the next tile's stream ahead of that,
-             * a share of it each (a few lines a pair): the whole of it in the second block outran the memory */
+             * block after block, as many lines a pair as the blocks after the first need to cover it (one where
+             * they are three or more; the later blocks run on into the tiles after): the whole of it in the second
+             * block outran the memory */
             const char *next = (const char *)(tile + cols * k) + LINEAR_AHEAD * vectors * 64;
             const int64_t share = (k / 2 * vectors + blocks - 2) / (blocks > 1 ? blocks - 1 : 1); /* lines */
             const int64_t lines = (share + k / 2 - 1) / (k / 2);
