@@ -354,10 +354,9 @@ class MultiRatePolicy:
                       out_v: torch.Tensor, check: Check | None) -> torch.Tensor:
         """_run_block of the prefix buffer's block (set_block'ed) over the buffer (_over_prefix(states)): one C call a
         layer where NativeRows runs (the same bits), else the layers' own calls."""
+        attend = self._over_prefix(states)  # the state ring read into the buffer where `states`
         if self._native_rows is None:
-            return self._run_block(x, positions, self._over_prefix(states), out_k, out_v, check)
-        if states:
-            self._prefix.load_states(self.action)
+            return self._run_block(x, positions, attend, out_k, out_v, check)
         cos, sin = self.model.decoder.rope(positions, x.dtype)
         layers = self._native_rows.layers
 

@@ -273,10 +273,10 @@ class VisionTokenCache:
         full = n == T
         xr = x if full else x.index_select(0, rows)  # [n, W]
         sqkv, sx = st["qkv"][i], st["x_ref"][i]  # [3, H, T, hd], [T, W]
+        if self._track_inputs or i == 0:
+            _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         if not full and self.native is not None and not self._track_inputs and sample.numel():
             self.native.half(i, 0, x, layer.layer_norm1(xr), fixed, st, live)
-            if i == 0:
-                _stage_rows(sx, live["x_ref"][i], xr, rows)
             self.native.half(i, 1, x, layer.layer_norm2(x.index_select(0, rows)), fixed, st, live)
             return
         sq, sk, sv = sqkv
@@ -292,8 +292,6 @@ class VisionTokenCache:
         q = heads[0]
         if not full:  # one shift for the three: [3, H, n, hd] into [3, H, T, hd]
             shift_reused(sqkv, live["qkv"][i], heads, rows, sample, 2, at, self._wide)
-        if self._track_inputs or i == 0:
-            _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
         sa, sm = st["attn_out"][i], st["mlp_out"][i]
         if full or (self.attend_all and not self.shared_drift_samples):
             attn = self.attention(sq, sk, sv)  # [H, T, hd]
