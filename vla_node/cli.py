@@ -545,7 +545,9 @@ def add_bench_commands(sub) -> None:
     q.add_argument("--drive", help="the clip (default: the shared freeway clip where found, else a synthetic drive)")
     q.add_argument("--launch", help="launch file of the node run and the model (default launch/cpu.toml)")
     q.add_argument("--frames", type=int, help="clip frames at 10 fps for the per-frame figures (default 30)")
-    add_threads(q)
+    q.add_argument("--threads", type=int, help="torch intra-op threads of every section but the node's (default: "
+                   "the launch file's model.threads; auto: every CPU where the publisher may run at SCHED_FIFO, "
+                   "else 1)")
     q.add_argument("--quick", action="store_true", default=None,
                    help="a smoke run: 8 frames, fewer rounds, without the cache/engines/reuse benchmarks")
     q = bench_parser(bench, "model", "our cached policy against the reference and transformers' generate")

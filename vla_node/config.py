@@ -59,7 +59,9 @@ class ModelSection:
     engines_dir: str = "engines"  # the engine store (relative paths: to the working directory)
     calibration: str = "calib"  # int8-trt: where `vla-node calibrate` writes its sets (calib/<model-hash>/)
     build_engines: bool = True  # build missing or stale engines at start (false: refuse, naming the command)
-    threads: int = 1  # torch intra-op threads; 0 = torch's default
+    # torch intra-op threads; 0 = torch's default; auto: every CPU where the publisher may run at SCHED_FIFO (its
+    # ticks preempt the worker's threads), else 1 (node/realtime.py resolve_threads, at the node's start)
+    threads: int | str = 1
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
     vision_frames: int | None = None  # frames kept in the vision memory; None: the model's (positions only)
     # the eager policy's action tick as one compiled call (TickStep by AOTInductor, kept in engines_dir, compiled at
@@ -111,7 +113,8 @@ class ModelSection:
                 "a folder path")
         require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                 "model.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
-        require(isinstance(self.threads, int) and self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
+        require(self.threads == "auto" or (isinstance(self.threads, int) and self.threads >= 0), "model.threads",
+                self.threads, "an integer >= 0 or 'auto'")
         require(self.vision_frames is None or (isinstance(self.vision_frames, int) and self.vision_frames >= 1),
                 "model.vision_frames", self.vision_frames, "an integer >= 1 or unset")
         require(self.compiled_tick in ("on", "off", "auto"), "model.compiled_tick", self.compiled_tick,

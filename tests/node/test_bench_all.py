@@ -35,6 +35,7 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
     assert result["clip"].startswith("synthetic drive")
     h = result["header"]
     assert h["cpu"] and h["threads"] == 1 and h["versions"]["torch"] and "oneDNN" in h["kernels"]
+    assert h["threads_from"] == "the launch file's model.threads = 1"  # no --threads: the launch file's
     m = result["model"]
     int8 = {"ours int8"} if m["compute_dtype"] == "bf16" and packed_weights.int8_weights_available() else set()
     assert set(m["ms"]) == {"ours", "onnxruntime int8", "reference", "peer", *int8}

@@ -50,6 +50,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ("[scheduler]\nsmaller_preset = 'tinyy'\n", "scheduler.smaller_preset = 'tinyy': expected one of"),
     ("[health]\nperiod_s = inf\n", "health.period_s = inf: expected a finite number > 0"),
     ("[realtime]\nworker_nice = 25\n", "realtime.worker_nice = 25: expected an integer in [0, 19]"),
+    ("[model]\nthreads = 'two'\n", "model.threads = 'two': expected an integer >= 0 or 'auto'"),
+    ("[model]\nthreads = -1\n", "model.threads = -1: expected an integer >= 0 or 'auto'"),
     # checked against the model's window (tiny: 1 frame of 4 tokens) when the file loads, not at node start
     ("[model]\npreset = 'tiny'\n[cache.vision]\ncapacity_tokens = 1\n",
      "cache.vision.capacity_tokens = 1: expected >= 4 for policy 'fifo'"),
@@ -93,6 +95,8 @@ def test_set_overrides_change_values_and_are_checked_like_the_file():
     assert config.reuse.threshold == 4.0 and config.cache.vision.storage_dtype == "fp32"
     assert config.model.preset == "tiny" and config.model.instruction == "keep the lane"
     assert config.scheduler.fallback_action == (0.0, -0.5)
+    assert load_launch(LAUNCH_DIR / "cpu.toml").model.threads == "auto"  # node/realtime.py resolves it at start
+    assert load_launch(LAUNCH_DIR / "cpu.toml", ["model.threads=2"]).model.threads == 2
     assert parse_override("model.checkpoint=ckpt/tiny-bins") == (("model", "checkpoint"), "ckpt/tiny-bins")
     assert parse_override('model.checkpoint="a=b"') == (("model", "checkpoint"), "a=b")
     with pytest.raises(ConfigError, match=r"with --set reuse.thresold=4: reuse.thresold: unknown key.*'threshold'"):

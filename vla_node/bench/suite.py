@@ -1,7 +1,7 @@
 """`vla-node bench all [--out DIR]`: every benchmark in one run, one report: DIR/bench.json, bench.md, bench.html.
 
     vla-node bench all [--out out/bench] [--drive CLIP] [--launch launch/cpu.toml] [--preset small]
-                       [--frames 30] [--threads 1] [--quick]
+                       [--frames 30] [--threads N] [--quick]
 
 Sections, each measured side by side within itself (what a figure is compared with ran in the same section):
   model    per-frame work on a real clip at 10 fps against transformers (SigLIP + Llama generate) and the reference,
@@ -16,6 +16,9 @@ Sections, each measured side by side within itself (what a figure is compared wi
 
 CLIP: an mp4 or drive; default the freeway clip of the shared real drives ($VLA_NODE_DRIVES, else
 ../shared/data/drives beside the checkout) where it is found, else the demo's synthetic drive (the report says which).
+--threads: torch's intra-op threads for every section but the node's (its own launch file's); default the launch
+file's model.threads, 'auto' resolved as the node resolves it (node/realtime.py resolve_threads: every CPU where the
+publisher may run at SCHED_FIFO, else 1), 0 torch's default. Ours and the peer run at the same count.
 --quick: fewer frames and rounds, the cache/engines/reuse sections skipped (a smoke run: its figures are noisier).
 """
 
@@ -39,6 +42,7 @@ from vla_node.bench import per_frame
 from vla_node.bench.clips import CLIP_FPS, default_clip
 from vla_node.bench.suite_report import markdown, render_html
 from vla_node.config import default_launch, load_launch
+from vla_node.node.realtime import resolve_threads
 from vla_node.validate import require
 
 FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
@@ -58,13 +62,14 @@ def versions() -> dict[str, str]:
     return out
 
 
-def header(threads: int) -> dict:
+def header(threads: int, threads_from: str) -> dict:
     """What ran where: CPU model and flags, the kernels oneDNN and ATen pick and whether the fused CPU kernels run,
-    threads, versions, GPU."""
+    threads (and what set them), versions, GPU."""
     flags = cpu_features.cpu_flags(cpu_features.read_cpuinfo())
     return {"cpu": cpu_features.cpu_model(), "cpus": os.cpu_count(), "flags": [f for f in FLAGS_SHOWN if f in flags],
             "kernels": f"{cpu_features.describe()}; fused CPU kernels {cpu_kernels.status()}",
-            "bf16_hardware": cpu_features.onednn_runs_bf16(), "threads": threads, "versions": versions(),
+            "bf16_hardware": cpu_features.onednn_runs_bf16(), "threads": threads, "threads_from": threads_from,
+            "versions": versions(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["vla-node", *sys.argv[1:]])}
 
@@ -138,24 +143,30 @@ def targets(model: dict, stages: dict, node: dict | None, eager_backend: str) ->
 
 
 def run(out_dir: str | os.PathLike = "out/bench", drive: str | None = None, launch: str | None = None,
-        preset: str | None = None, frames: int = 30, threads: int = 1, quick: bool = False,
+        preset: str | None = None, frames: int = 30, threads: int | None = None, quick: bool = False,
         replay_node: bool = True) -> dict:
     """Run every section (module docstring), write DIR/bench.json, bench.md and bench.html; return the figures."""
     require(isinstance(frames, int) and not isinstance(frames, bool) and frames >= 3, "frames", frames,
             "an integer >= 3 (the first frame is a full refresh)")
-    require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1, "threads", threads,
-            "an integer >= 1")
+    require(threads is None or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1),
+            "threads", threads, "an integer >= 1 or unset (the launch file's)")
     clip = Path(drive) if drive is not None else default_clip()
     require(clip is None or clip.is_file(), "drive", drive, "an existing mp4 or drive file")
     launch_path = Path(launch) if launch is not None else default_launch()
     config = load_launch(launch_path)
     if preset is not None:
         config = config.replace(model=dataclasses.replace(config.model, preset=preset))
+    threads_from = "--threads"
+    if threads is None:
+        rt = config.realtime
+        threads_from = f"the launch file's model.threads = {config.model.threads!r}"
+        threads = (resolve_threads(config.model.threads, rt.sched_fifo_priority, rt.cpu_affinity)
+                   or torch.get_num_threads())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     frames = min(frames, 8) if quick else frames
-    result: dict = {"header": header(threads), "launch": str(launch_path), "preset": config.model.preset}
+    result: dict = {"header": header(threads, threads_from), "launch": str(launch_path), "preset": config.model.preset}
     dtype = "auto"  # bf16 where the CPU multiplies bf16 in hardware, else fp32 (ModelSection.resolved_dtype)
     instruction = config.model.instruction
     c = config.model.model_config()

@@ -33,7 +33,8 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
     h, m, s = r["header"], r["model"], r["stages"]
     out = [("Machine", _table([("", ""), ("CPU", f"{h['cpu']} ({h['cpus']} logical CPUs)"),
                                ("flags", " ".join(h["flags"]) or "-"), ("kernels", h["kernels"]),
-                               ("threads", h["threads"]), ("GPU", h["gpu"] or "none (GPU figures: unmeasured here)"),
+                               ("threads", f"{h['threads']} ({h.get('threads_from', '--threads')})"),
+                               ("GPU", h["gpu"] or "none (GPU figures: unmeasured here)"),
                                ("versions", ", ".join(f"{k} {v}" for k, v in h["versions"].items())),
                                ("run", f"{h['date']}: `{h['command']}`")]))]
     out.append(("Targets", _table([("figure", "measured", "target", ""),

@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 import torch
@@ -29,7 +29,7 @@ from vla_node.node.metrics import MetricsServer
 from vla_node.node.pipeline import Pipeline
 from vla_node.node.publisher import PublisherSpec
 from vla_node.node.publisher_link import PublisherLink
-from vla_node.node.realtime import apply_affinity, lower_thread_priority, rss_bytes
+from vla_node.node.realtime import apply_affinity, lower_thread_priority, resolve_threads, rss_bytes
 from vla_node.node.signals import SignalFlag
 from vla_node.wire.openpi_server import OpenpiModel, OpenpiServer
 from vla_node.wire.protocol import FRAME_TOPIC_PREFIX
@@ -43,10 +43,16 @@ class Node:
     signal or an error."""
 
     def __init__(self, config: NodeConfig, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        threads = resolve_threads(config.model.threads, config.realtime.sched_fifo_priority,
+                                  config.realtime.cpu_affinity)
+        if config.model.threads == "auto":
+            log.info("model.threads auto: %d (%s)", threads, "the publisher may run at SCHED_FIFO" if threads > 1
+                     else "one core left for the publisher")
+        config = config.replace(model=replace(config.model, threads=threads))  # what runs below sees the count
         self.config = config
         self.clock = clock
-        if config.model.threads:
-            torch.set_num_threads(config.model.threads)
+        if threads:
+            torch.set_num_threads(threads)
         self.started_ns = clock()
         c = config.model.model_config()
         # First, before the model: an action or health address in use fails fast, and the publisher's imports and
@@ -92,6 +98,7 @@ class Node:
             "model": model.checkpoint or model.preset, "backend": self.backend.backend,
             "recipe": self.backend.recipe, "backend_skipped": list(self.backend.skipped),
             "device": model.device, "dtype": model.resolved_dtype, "weights": model.resolved_weights,
+            "threads": torch.get_num_threads(),
             "head": self.pipeline.policy.config.action_head,
             "real_time_chunking": self.pipeline.chunking is not None,
         })

@@ -106,10 +106,16 @@ def engine_set(config: NodeConfig, model: VLA, backend: str, recipe: str, *, bui
     build = section.build_engines if build is None else build
     try:
         return exported_engines(model, specs, backend, recipe, EngineStore(section.engines_dir), build=build,
-                                threads=section.threads or 1, calibration=calibration, device=section.device,
+                                threads=intra_op_threads(section) or 1, calibration=calibration, device=section.device,
                                 launch=launch, progress=progress or _log_progress)
     except EngineStoreError as e:
         raise ConfigError(str(e)) from None
+
+
+def intra_op_threads(section) -> int:
+    """model.threads as a count: its own, or where 'auto' is left unresolved (the node resolves it at start) the
+    threads this process runs torch with; 0 stays torch's default."""
+    return torch.get_num_threads() if section.threads == "auto" else section.threads
 
 
 def _log_progress(line: str) -> None:
@@ -197,7 +203,7 @@ def attach_compiled_tick(config: NodeConfig, policy: MultiRatePolicy, plain: Pla
         try:
             engine = tick_engine(EngineStore(section.engines_dir), plain.decoder_digest, plain.load,
                                  tick_buffers(policy)[0],
-                                 section.threads or torch.get_num_threads(), section.build_engines,
+                                 intra_op_threads(section) or torch.get_num_threads(), section.build_engines,
                                  f"vla-node build-engines --launch {launch or 'FILE'}", _log_progress)
         except EngineStoreError as e:
             raise ConfigError(str(e)) from None
