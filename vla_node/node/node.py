@@ -46,8 +46,7 @@ class Node:
         threads = resolve_threads(config.model.threads, config.realtime.sched_fifo_priority,
                                   config.realtime.cpu_affinity)
         if config.model.threads == "auto":
-            log.info("model.threads auto: %d (%s)", threads, "the publisher may run at SCHED_FIFO" if threads > 1
-                     else "one core left for the publisher")
+            log.info("model.threads auto: %d (every CPU where the publisher may run at SCHED_FIFO, else 1)", threads)
         config = config.replace(model=replace(config.model, threads=threads))  # what runs below sees the count
         self.config = config
         self.clock = clock
