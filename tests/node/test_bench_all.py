@@ -11,7 +11,7 @@ import pytest
 
 from helpers.node_helpers import TINY_LAUNCH
 from vla_node.backends import packed_weights
-from vla_node.bench import suite
+from vla_node.bench import per_frame, suite
 from vla_node.bench.suite_report import histogram_rows
 
 pytest.importorskip("transformers", reason="transformers (the dev extra) is the peer")
@@ -53,12 +53,14 @@ def test_bench_all_writes_every_section_target_and_plot(tmp_path, monkeypatch, c
         assert f["stage"] == "reuse_frame" and f["floor_ms"] > 0 and f["refreshed"] >= 1 and f["contender"] == name
         assert f["ratio_to_floor"] == pytest.approx(m["ms"][name] / f["floor_ms"], rel=0.01)
         assert ("attention_gflops" in f) == (key == "int8_floor")  # int8: the attention at bf16's rate
+        assert f["samples"] == per_frame.FLOOR_SAMPLES
     floors = result["stages"]["floor"]
     assert {k.rsplit(": ", 1)[1] for k in floors} == {"tick", "frame"}
     assert {k for k in floors if "int8 weights" in k} == {k for k in result["stages"]["ms"]
                                                           if k.startswith("torch") and "int8 weights" in k}
     for key, f in floors.items():
         assert f["ratio_to_floor"] == round(result["stages"]["ms"][key] / f["floor_ms"], 2)
+        assert f["samples"] == result["stages"]["rounds"]  # sampled in every round of the stages
     assert set(result["targets"]) == set(suite.TARGETS)
     for t in result["targets"].values():
         assert isinstance(t["met"], bool) and t["value"] is not None

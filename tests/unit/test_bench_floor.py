@@ -11,7 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vla_node.bench.floor import floor_ms, measure_bandwidth, measure_floor, measure_matrix_rate, stage_work
+from vla_node.bench import floor as floor_module
+from vla_node.bench.floor import (
+    INT8_WAYS,
+    FloorSampler,
+    MatrixRate,
+    floor_ms,
+    measure_bandwidth,
+    measure_floor,
+    measure_matrix_rate,
+    stage_work,
+)
 from vla_node.model.config import preset
 from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
@@ -231,7 +241,47 @@ def test_the_int8_floor_counts_one_byte_per_weight_and_names_the_attention_rate(
         measure_floor(preset("tiny"), "tick", torch.float32, 1, 2, int8_weights=True, repeats=1)
     if not cpu_kernels.int8_linear_kernel():
         pytest.skip(f"the int8 linear kernel does not run here ({cpu_kernels.status()})")
-    int8 = measure_floor(preset("tiny"), "tick", torch.bfloat16, 1, 2, int8_weights=True, repeats=1)
+    sampler = FloorSampler(preset("tiny"), "tick", torch.bfloat16, 1, 2, int8_weights=True, repeats=1)
+    sampler.sample()
+    int8 = sampler.floor()
     bf16 = measure_floor(preset("tiny"), "tick", torch.bfloat16, 2, 2, repeats=1)
     assert json.loads(json.dumps(int8)) == int8 and "attention_gflops" not in bf16
     assert int8["attention_gflops"] > 0 and int8["weight_mb"] == pytest.approx(bf16["weight_mb"] / 2, rel=1e-3)
+    # the attention's rate: the same samples' bf16 ways (the int8 linear left out)
+    assert int8["attention_gflops"] == sampler.rate.result(exclude=INT8_WAYS)["gflops"]
+    assert {s["by"] for s in sampler.rate.result(exclude=INT8_WAYS)["per_shape"]}.isdisjoint(INT8_WAYS)
+
+
+def test_the_rate_is_each_shapes_best_time_over_its_samples(monkeypatch):
+    """A busy moment in one sample does not set the floor: each shape's time is its best way's best over every
+    sample (the loops' times scripted here: sample 1 slow, sample 2 fast for one way, sample 3 in between)."""
+    work = stage_work(preset("tiny"), "tick")
+    rate = MatrixRate(work.gemms, torch.float32, repeats=1)
+    with pytest.raises(RuntimeError, match="before any sample"):
+        rate.result()
+    script = iter([2e-3, 1e-3, 1.5e-3])
+    for _ in range(3):
+        seconds = next(script)
+        monkeypatch.setattr(floor_module, "_best_seconds", lambda fn, repeats, device, s=seconds: s)
+        rate.sample()
+    result = rate.result()
+    assert result["samples"] == 3 and all(shape["us"] == 1000 for shape in result["per_shape"])
+    assert result["gflops"] == pytest.approx(work.gemm_flops / 1e-3 / sum(g.count for g in work.gemms) / 1e9,
+                                             rel=1e-3)
+    one = measure_matrix_rate(work.gemms, torch.float32, repeats=1)  # one sample, as before
+    assert one["samples"] == 1 and one["per_shape"][0]["us"] == 1500
+
+
+def test_the_floor_sampler_takes_the_best_rate_and_bandwidth_of_its_samples(monkeypatch):
+    """FloorSampler.floor() from every sample: the matrix rate's best times and the highest bandwidth seen, with
+    `samples` in the JSON; one sample is measure_floor."""
+    sampler = FloorSampler(preset("tiny"), "frame", torch.float32, 4, 4, repeats=1)
+    for seconds, bandwidth in ((2e-3, 10.0), (1e-3, 5.0)):
+        monkeypatch.setattr(floor_module, "_best_seconds", lambda fn, repeats, device, s=seconds: s)
+        monkeypatch.setattr(floor_module, "measure_bandwidth", lambda nbytes, repeats, device, b=bandwidth: b)
+        sampler.sample()
+    result = sampler.floor()
+    assert json.loads(json.dumps(result)) == result and result["samples"] == 2
+    assert result["bandwidth_gbs"] == 10.0 and result["matrix_gflops"] == sampler.rate.result()["gflops"]
+    expected = floor_ms(sampler.work, sampler.rate.result()["gflops"], 10.0, 4, 4)
+    assert result["floor_ms"] == pytest.approx(expected["floor_ms"], rel=1e-3)

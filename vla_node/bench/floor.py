@@ -23,7 +23,9 @@ decoder's K/V once per layer for every key slot of the prefix buffer; activation
 The floor is a roofline: the larger of FLOPs (attention included) / the matrix rate measured on the stage's own GEMM
 shapes and dtype (each shape the fastest way the machine has: F.linear, or in bf16 on a CPU the oneDNN matmul on
 a prepacked weight and, where it is built, the fused CPU kernels' linear, as the node's packed weights run), and
-bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB).
+bytes / the read bandwidth of a float32 .sum() over a buffer of that many bytes (>= 8 MiB). Both from samples spread
+over time (FloorSampler: each shape's best time, the highest bandwidth): `bench all` samples a stage's floor once in
+every round of the stages it is compared with, and the per-frame floor five times after the clip.
 
 With int8 weights (`weights = "int8"`: bf16 compute, weights one byte per element, their per-column scales and code
 sums not counted), each GEMM shape is timed on the CPU kernels' int8 linear too (its activations quantized per row
@@ -211,25 +213,60 @@ def _matmuls(x: torch.Tensor, w: torch.Tensor, int8: bool = False) -> dict[str, 
     return ways
 
 
+INT8_WAYS = ("cpu_kernels.linear_int8",)
+
+
+class MatrixRate:
+    """measure_matrix_rate's figure from samples spread over time: each sample() times every GEMM shape every way
+    this machine has (_matmuls, best of `repeats` loops); result() takes each shape's best time over every sample so
+    far. One sample takes a fraction of a second, which a shared machine's busy moment slows by up to a fifth (the
+    tick's rate on a 2-vCPU Zen 5 EPYC: 586 to 700 GFLOP/s from one run to the next); taken once per round of what
+    the floor is compared with, the samples see the machine as those rounds do."""
+
+    def __init__(self, gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu",
+                 int8: bool = False) -> None:
+        self.device, self.repeats, self.samples = torch.device(device), repeats, 0
+        self._shapes = []  # (Gemm, {way: fn}, {way: best seconds})
+        for m, k, n, count in gemms:
+            x = torch.randn(m, k, device=self.device).to(dtype)
+            w = torch.randn(n, k, device=self.device).to(dtype)
+            self._shapes.append((Gemm(m, k, n, count), _matmuls(x, w, int8), {}))
+
+    def sample(self) -> list[dict[str, float]]:
+        """Time every shape every way once more; returns this sample's seconds per call, per shape and way."""
+        timed = []
+        for _, ways, best in self._shapes:
+            seconds = {way: _best_seconds(fn, self.repeats, self.device) for way, fn in ways.items()}
+            for way, s in seconds.items():
+                best[way] = min(s, best.get(way, math.inf))
+            timed.append(seconds)
+        self.samples += 1
+        return timed
+
+    def result(self, exclude: tuple[str, ...] = ()) -> dict:
+        """gflops: all the GEMM FLOPs over their total time (each shape's best time over the samples, the fastest
+        way not in `exclude`, x its count); per_shape: each shape's best."""
+        if not self.samples:
+            raise RuntimeError("MatrixRate.result() before any sample()")
+        per_shape, total_flops, total_s = [], 0, 0.0
+        for (m, k, n, count), _, best in self._shapes:
+            way = min((w for w in best if w not in exclude), key=best.get)
+            seconds, flops = best[way], 2 * m * k * n
+            per_shape.append({"m": m, "k": k, "n": n, "count": count, "us": _sig(seconds * 1e6),
+                              "gflops": _sig(flops / seconds / 1e9), "by": way})
+            total_flops += flops * count
+            total_s += seconds * count
+        return {"gflops": _sig(total_flops / total_s / 1e9), "per_shape": per_shape, "samples": self.samples}
+
+
 def measure_matrix_rate(gemms, dtype: torch.dtype, repeats: int = 5, device: str | torch.device = "cpu",
                         int8: bool = False) -> dict:
     """Every distinct GEMM shape timed at `dtype` the fastest way this machine has (_matmuls: F.linear, a prepacked
-    weight, the CPU kernels; with `int8` their int8 linear too); gflops: all the stage's GEMM FLOPs over their total
-    time (each shape's best time x its count)."""
-    device = torch.device(device)
-    per_shape, total_flops, total_s = [], 0, 0.0
-    for m, k, n, count in gemms:
-        x = torch.randn(m, k, device=device).to(dtype)
-        w = torch.randn(n, k, device=device).to(dtype)
-        timed = {way: _best_seconds(fn, repeats, device) for way, fn in _matmuls(x, w, int8).items()}
-        way = min(timed, key=timed.get)
-        seconds = timed[way]
-        flops = 2 * m * k * n
-        per_shape.append({"m": m, "k": k, "n": n, "count": count, "us": _sig(seconds * 1e6),
-                          "gflops": _sig(flops / seconds / 1e9), "by": way})
-        total_flops += flops * count
-        total_s += seconds * count
-    return {"gflops": _sig(total_flops / total_s / 1e9), "per_shape": per_shape}
+    weight, the CPU kernels; with `int8` their int8 linear too), once (MatrixRate: one sample); gflops: all the
+    stage's GEMM FLOPs over their total time (each shape's best time x its count)."""
+    rate = MatrixRate(gemms, dtype, repeats, device, int8)
+    rate.sample()
+    return rate.result()
 
 
 def measure_bandwidth(nbytes: int, repeats: int = 5, device: str | torch.device = "cpu") -> float:
@@ -261,23 +298,52 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+class FloorSampler:
+    """A stage's floor (measure_floor's figures) from samples spread over time: sample() once per round of what it is
+    compared with (the matrix rate as MatrixRate samples it, the bandwidth likewise: the best of all samples), then
+    floor(). `int8_weights` (bf16 only): the GEMMs at the rate with the int8 linear among the ways, the attention at
+    bf16's (the module docstring), both from the same samples; JSON's attention_gflops then names that rate."""
+
+    def __init__(self, config: ModelConfig, stage: str, dtype: torch.dtype, weight_bytes_per_element: float,
+                 kv_bytes_per_element: float, refreshed: int | None = None, *, repeats: int = 5,
+                 device: str | torch.device = "cpu", int8_weights: bool = False) -> None:
+        if int8_weights and dtype != torch.bfloat16:
+            raise ValueError(f"int8 weights with dtype {dtype}: expected torch.bfloat16 (int8 weights compute in "
+                             "bf16)")
+        self.config, self.dtype, self.int8_weights = config, dtype, int8_weights
+        self.repeats, self.device = repeats, device
+        self.work = stage_work(config, stage, refreshed)
+        self.bytes_per_element = (weight_bytes_per_element, kv_bytes_per_element)
+        self.rate = MatrixRate(self.work.gemms, dtype, repeats, device, int8_weights)
+        self.bandwidth = 0.0
+
+    def sample(self) -> None:
+        self.rate.sample()
+        nbytes = self.work.weight_bytes(self.bytes_per_element[0]) + self.work.kv_bytes(self.bytes_per_element[1])
+        self.bandwidth = max(self.bandwidth, measure_bandwidth(int(nbytes), self.repeats, self.device))
+
+    def floor(self) -> dict:
+        """The floor from every sample so far (JSON; `samples` says how many)."""
+        work, (weight_bpe, kv_bpe) = self.work, self.bytes_per_element
+        rate = self.rate.result()["gflops"]
+        attention_rate = self.rate.result(exclude=INT8_WAYS)["gflops"] if self.int8_weights else rate
+        floor = floor_ms(work, rate, self.bandwidth, weight_bpe, kv_bpe, attention_rate)
+        figures = dict(gflop=work.flops / 1e9, attention_gflop=work.attention_flops / 1e9,
+                       weight_mb=work.weight_bytes(weight_bpe) / 1e6, kv_mb=work.kv_bytes(kv_bpe) / 1e6,
+                       matrix_gflops=rate, bandwidth_gbs=self.bandwidth,
+                       **({"attention_gflops": attention_rate} if self.int8_weights else {}),
+                       **{key: floor[key] for key in ("compute_ms", "memory_ms", "floor_ms")})
+        return {"stage": work.stage, "model": self.config.name, "dtype": str(self.dtype).removeprefix("torch."),
+                "refreshed": work.refreshed, **{key: _sig(value) for key, value in figures.items()},
+                "bound": floor["bound"], "samples": self.rate.samples, "counted": work.describe()}
+
+
 def measure_floor(config: ModelConfig, stage: str, dtype: torch.dtype, weight_bytes_per_element: float,
                   kv_bytes_per_element: float, refreshed: int | None = None, *, repeats: int = 5,
                   device: str | torch.device = "cpu", int8_weights: bool = False) -> dict:
-    """stage_work, the matrix rate for its shapes at `dtype`, the bandwidth over its bytes, and the floor (JSON).
-    `int8_weights` (bf16 only): the GEMMs at the rate with the int8 linear among the ways, the attention at bf16's
-    (the module docstring); JSON's attention_gflops then names that rate."""
-    if int8_weights and dtype != torch.bfloat16:
-        raise ValueError(f"int8 weights with dtype {dtype}: expected torch.bfloat16 (int8 weights compute in bf16)")
-    work = stage_work(config, stage, refreshed)
-    weight_bytes, kv_bytes = work.weight_bytes(weight_bytes_per_element), work.kv_bytes(kv_bytes_per_element)
-    rate = measure_matrix_rate(work.gemms, dtype, repeats, device, int8_weights)["gflops"]
-    attention_rate = measure_matrix_rate(work.gemms, dtype, repeats, device)["gflops"] if int8_weights else rate
-    bandwidth = measure_bandwidth(int(weight_bytes + kv_bytes), repeats, device)
-    floor = floor_ms(work, rate, bandwidth, weight_bytes_per_element, kv_bytes_per_element, attention_rate)
-    figures = dict(gflop=work.flops / 1e9, attention_gflop=work.attention_flops / 1e9, weight_mb=weight_bytes / 1e6,
-                   kv_mb=kv_bytes / 1e6, matrix_gflops=rate, bandwidth_gbs=bandwidth,
-                   **({"attention_gflops": attention_rate} if int8_weights else {}),
-                   **{key: floor[key] for key in ("compute_ms", "memory_ms", "floor_ms")})
-    return {"stage": stage, "model": config.name, "dtype": str(dtype).removeprefix("torch."), "refreshed": refreshed,
-            **{key: _sig(value) for key, value in figures.items()}, "bound": floor["bound"], "counted": work.describe()}
+    """stage_work, the matrix rate for its shapes at `dtype`, the bandwidth over its bytes, and the floor (JSON), from
+    one sample (FloorSampler)."""
+    sampler = FloorSampler(config, stage, dtype, weight_bytes_per_element, kv_bytes_per_element, refreshed,
+                           repeats=repeats, device=device, int8_weights=int8_weights)
+    sampler.sample()
+    return sampler.floor()

@@ -27,7 +27,8 @@ weights (against ours int8).
 
 Stages (one frame, interleaved rounds): the action tick and the full-refresh frame with its tick, per backend (the
 eager policy at the compute dtype, in fp32 and with int8 weights where they run, ONNX Runtime fp32 and int8-ort), and
-each eager stage's floor (bench/floor.py) at its dtype and weights: ratio_to_floor = stage ms / floor ms.
+each eager stage's floor (bench/floor.py) at its dtype and weights, sampled in every round: ratio_to_floor = stage
+ms / floor ms.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 from vla_node.backends.loading import load_model
 from vla_node.backends.packed_weights import bucket_step, int8_weights_available, kernel_matmuls
-from vla_node.bench.floor import measure_floor
+from vla_node.bench.floor import FloorSampler
 from vla_node.bench.model import hf_peer
 from vla_node.bench.reuse import GatedPolicy, ego_state, logit_rel_err
 from vla_node.config import NodeConfig
@@ -55,6 +56,8 @@ from vla_node.runtime.engine_policy import EnginePolicy
 from vla_node.runtime.policy import MultiRatePolicy, attention_kernels, fused_attention_pays
 from vla_node.runtime.reference import ReferencePolicy
 
+FLOOR_REPEATS = 3  # loops per shape and way in each floor sample (floor.MatrixRate)
+FLOOR_SAMPLES = 5  # samples of the per-frame floor, after the clip
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 WEIGHT_BYTES = {"plain": None, "fp32": 4, "fp16": 2, "packed": 2, "int8": 1}  # None: the compute dtype's
 
@@ -84,13 +87,14 @@ def compute_config(config: NodeConfig, dtype: str) -> NodeConfig:
     return config.replace(model=dataclasses.replace(config.model, dtype=dtype, backend="torch", fallback=()))
 
 
-def path_floor(c: ModelConfig, stage: str, config: NodeConfig, refreshed: int | None = None) -> dict:
-    """measure_floor of `stage` for the path `config` runs: its compute dtype, its linear weights' bytes per element
-    (plain: the compute dtype's) and, with int8 weights, the int8 linear's rate."""
+def path_floor(c: ModelConfig, stage: str, config: NodeConfig, refreshed: int | None = None,
+               repeats: int = 5) -> FloorSampler:
+    """The FloorSampler of `stage` for the path `config` runs: its compute dtype, its linear weights' bytes per
+    element (plain: the compute dtype's) and, with int8 weights, the int8 linear's rate."""
     s = config.model
     compute = dtype_named(s.resolved_dtype)
-    return measure_floor(c, stage, compute, WEIGHT_BYTES[s.weight_format] or BYTES[compute], BYTES[compute],
-                         refreshed, int8_weights=s.weight_format == "int8")
+    return FloorSampler(c, stage, compute, WEIGHT_BYTES[s.weight_format] or BYTES[compute], BYTES[compute],
+                        refreshed, repeats=repeats, int8_weights=s.weight_format == "int8")
 
 
 def path_name(config: NodeConfig) -> str:
@@ -193,7 +197,10 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     ms.update({name: statistics.median(values[1:]) for name, values in timed.items()})
 
     def floor(name: str, weights: NodeConfig) -> dict:  # reuse_frame's at `refreshed`, against `name`'s time
-        f = path_floor(c, "reuse_frame", weights, refreshed)
+        sampler = path_floor(c, "reuse_frame", weights, refreshed, FLOOR_REPEATS)
+        for _ in range(FLOOR_SAMPLES):  # its shapes are known only now: a few samples, spread over some seconds
+            sampler.sample()
+        f = sampler.floor()
         return {**f, "contender": name, "ratio_to_floor": round(ms[name] / f["floor_ms"], 2),
                 "peer_over_floor": round(ms["peer"] / f["floor_ms"], 2)}
 
@@ -242,19 +249,21 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     state = ego_state(c)
     cases = {(backend, stage): fn for backend, policy in backends.items()
              for stage, fn in _stage_cases(policy, image, state, instruction).items()}
+    samplers = {f"torch {path_name(e)}: {stage}": path_floor(c, stage, e, repeats=FLOOR_REPEATS)
+                for e in eager for stage in ("tick", "frame")}
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
     for _ in range(rounds):
         for key, fn in cases.items():
             t0 = time.perf_counter_ns()
             fn()
             samples[key].append((time.perf_counter_ns() - t0) / 1e6)
+        for sampler in samplers.values():  # the floors sampled in every round: the machine as the stages see it
+            sampler.sample()
     ms = {f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in samples.items()}
     floors = {}
-    for node_config in eager:
-        backend = f"torch {path_name(node_config)}"
-        for stage in ("tick", "frame"):
-            floor = path_floor(c, stage, node_config)
-            floor["stage_ms"] = ms[f"{backend}: {stage}"]
-            floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
-            floors[f"{backend}: {stage}"] = floor
+    for key, sampler in samplers.items():
+        floor = sampler.floor()
+        floor["stage_ms"] = ms[key]
+        floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
+        floors[key] = floor
     return {"rounds": rounds, "ms": ms, "floor": floors}
