@@ -57,8 +57,8 @@ class ExecutedProducts(TorchDispatchMode):
 
 def drive(config, refreshed=None):
     """update_text (the text partition full), state_slots - 1 ticks, then under the log: a full frame with its tick,
-    optionally a reuse frame with `refreshed` tokens and its tick, and (after a frame that stales the states) a tick
-    that recomputes every other stored state. Returns the logs by stage."""
+    optionally a reuse frame with `refreshed` tokens and its tick (each recomputing the other stored states in its
+    pass), and a tick after it (the states fresh). Returns the logs by stage."""
     rng = np.random.default_rng(0)
     policy = MultiRatePolicy(build_vla(config))
     policy.update_text("x" * (config.max_text_tokens - 1))
@@ -80,7 +80,7 @@ def drive(config, refreshed=None):
         with logs["reuse_frame"]:
             update = policy.update_vision(images(), tokens, state=state)
         assert update.chunk is not None and not update.full
-    policy.update_vision(images())  # no state: the stored states go stale, the next tick recomputes them
+    assert not policy._states_stale  # the frame's pass recomputed them: the tick is the new state and the queries
     with logs["tick"]:
         policy.action_tick(state)
     return logs
@@ -122,7 +122,7 @@ def test_weights_are_the_models_matrices(name):
 def test_tick_rows():
     c = preset("small")
     work = stage_work(c, "tick")
-    block = c.state_slots + c.action_tokens
+    block = 1 + c.action_tokens  # the new state and the queries: the stored states are fresh
     # every decoder layer's 7 products on the block's rows (q_proj and o_proj share a shape here), the state's
     # embedding, the action head on the H*D queries
     assert sum(g.count for g in work.gemms if g.m == block) == 7 * c.num_layers

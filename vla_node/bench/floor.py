@@ -6,12 +6,14 @@ FLOPs, the patch embedding too ([patches, 3*P*P] x [3*P*P, width]); an attention
 2 * rows * keys * head_dim * heads FLOPs each, over every key the kernel spans (masked slots too). Norms, RoPE,
 activations, biases and residual adds are not counted. The text partition is full, and so is the state ring.
 
-    tick         the fused action tick: state_slots + H*D rows (new state | the other stored states, recomputed |
-                 the action queries) through every decoder layer over the tick's prefix buffer (text | vision |
-                 state ring | the block), the state embedding, the action head (lm_head) on the H*D query rows
+    tick         the action tick after a frame that carried its own tick (the stored states are fresh: the tick the
+                 node runs between such frames, and the one `bench all` times): 1 + H*D rows (new state | the action
+                 queries) through every decoder layer over the tick's prefix buffer (text | vision | state ring |
+                 the block), the state embedding, the action head (lm_head) on the H*D query rows
     frame        a full refresh with its tick in the same decoder pass: the patch embedding and every tower layer on
                  every token of each camera, the projector, the decoder on the frame's rows (over text | frame; the
-                 last layer only their K/V) plus the tick's rows as in `tick`
+                 last layer only their K/V) plus the tick's rows as in `tick` and the other stored states,
+                 recomputed in the same pass (the frame changes them): state_slots + H*D rows
     reuse_frame  as frame with `refreshed` tokens recomputed: the patch embedding on those; in the tower and the
                  decoder min(T, refreshed + shared-drift sample) rows run Q (tower: Q/K/V), attention over every
                  token, the output projection and the MLP (reused tokens skip attention: shared drift); the projector
@@ -106,7 +108,8 @@ class _Tally:
 
 
 def _key_slots(c: ModelConfig) -> int:
-    """The tick's prefix buffer: text capacity | vision memory | state ring | the block (state_slots + H*D rows)."""
+    """The tick's prefix buffer: text capacity | vision memory | state ring | the block (room for state_slots + H*D
+    rows), every slot of which the attention kernel spans."""
     return c.max_text_tokens + c.vision_frames * c.tokens_per_frame + 2 * c.state_slots + c.action_tokens
 
 
@@ -153,7 +156,8 @@ def stage_work(config: ModelConfig, stage: str, refreshed: int | None = None, *,
     if stage != "tick" and c.vision_frames != 1:
         raise ValueError(f"vision_frames {c.vision_frames} with stage {stage!r}: expected 1 (a frame fuses its tick "
                          "only when the vision memory holds the current frame alone)")
-    block, frame_rows, samples = c.state_slots + c.action_tokens, 0 if stage == "tick" else total, shared_drift_samples
+    frame_rows, samples = 0 if stage == "tick" else total, shared_drift_samples
+    block = 1 + c.action_tokens if stage == "tick" else c.state_slots + c.action_tokens  # the tick's rows
     per_camera = ([] if stage == "tick" else [T] * C if refreshed is None
                   else [refreshed // C + (cam < refreshed % C) for cam in range(C)])  # refreshed tokens per camera
     rows = [min(T, r + samples) if r else 0 for r in per_camera]  # tower rows recomputed per camera
