@@ -236,16 +236,12 @@ class MatrixRate:
             w = torch.randn(n, k, device=self.device).to(dtype)
             self._shapes.append((Gemm(m, k, n, count), _matmuls(x, w, int8), {}))
 
-    def sample(self) -> list[dict[str, float]]:
-        """Time every shape every way once more; returns this sample's seconds per call, per shape and way."""
-        timed = []
+    def sample(self) -> None:
+        """Time every shape every way once more."""
         for _, ways, best in self._shapes:
-            seconds = {way: _best_seconds(fn, self.repeats, self.device) for way, fn in ways.items()}
-            for way, s in seconds.items():
-                best[way] = min(s, best.get(way, math.inf))
-            timed.append(seconds)
+            for way, fn in ways.items():
+                best[way] = min(_best_seconds(fn, self.repeats, self.device), best.get(way, math.inf))
         self.samples += 1
-        return timed
 
     def result(self, exclude: tuple[str, ...] = ()) -> dict:
         """gflops: all the GEMM FLOPs over their total time (each shape's best time over the samples, the fastest

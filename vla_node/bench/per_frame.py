@@ -87,14 +87,13 @@ def compute_config(config: NodeConfig, dtype: str) -> NodeConfig:
     return config.replace(model=dataclasses.replace(config.model, dtype=dtype, backend="torch", fallback=()))
 
 
-def path_floor(c: ModelConfig, stage: str, config: NodeConfig, refreshed: int | None = None,
-               repeats: int = 5) -> FloorSampler:
+def path_floor(c: ModelConfig, stage: str, config: NodeConfig, refreshed: int | None = None) -> FloorSampler:
     """The FloorSampler of `stage` for the path `config` runs: its compute dtype, its linear weights' bytes per
     element (plain: the compute dtype's) and, with int8 weights, the int8 linear's rate."""
     s = config.model
     compute = dtype_named(s.resolved_dtype)
     return FloorSampler(c, stage, compute, WEIGHT_BYTES[s.weight_format] or BYTES[compute], BYTES[compute],
-                        refreshed, repeats=repeats, int8_weights=s.weight_format == "int8")
+                        refreshed, repeats=FLOOR_REPEATS, int8_weights=s.weight_format == "int8")
 
 
 def path_name(config: NodeConfig) -> str:
@@ -197,7 +196,7 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
     ms.update({name: statistics.median(values[1:]) for name, values in timed.items()})
 
     def floor(name: str, weights: NodeConfig) -> dict:  # reuse_frame's at `refreshed`, against `name`'s time
-        sampler = path_floor(c, "reuse_frame", weights, refreshed, FLOOR_REPEATS)
+        sampler = path_floor(c, "reuse_frame", weights, refreshed)
         for _ in range(FLOOR_SAMPLES):  # its shapes are known only now: a few samples, spread over some seconds
             sampler.sample()
         f = sampler.floor()
@@ -249,7 +248,7 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     state = ego_state(c)
     cases = {(backend, stage): fn for backend, policy in backends.items()
              for stage, fn in _stage_cases(policy, image, state, instruction).items()}
-    samplers = {f"torch {path_name(e)}: {stage}": path_floor(c, stage, e, repeats=FLOOR_REPEATS)
+    samplers = {f"torch {path_name(e)}: {stage}": path_floor(c, stage, e)
                 for e in eager for stage in ("tick", "frame")}
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
     for _ in range(rounds):
