@@ -89,3 +89,15 @@ def test_bench_all_rejects_bad_arguments(tmp_path):
         suite.run(tmp_path, frames=1)
     with pytest.raises(ValueError, match="drive"):
         suite.run(tmp_path, drive=str(tmp_path / "missing.mp4"))
+
+
+def test_the_stage_rounds_run_in_changing_orders():
+    """Each round runs every case once, in an order of its own that is the same in every run; over the rounds a case
+    follows different cases (a fixed order put the floors' samples, or one backend's frame, before the same case every
+    round)."""
+    items = [("torch", "tick"), ("torch", "frame"), ("onnxruntime", "tick"), ("onnxruntime", "frame"), None]
+    orders = [per_frame.round_order(items, index) for index in range(8)]
+    assert all(sorted(o, key=str) == sorted(items, key=str) for o in orders)
+    assert orders == [per_frame.round_order(items, index) for index in range(8)] and items[-1] is None
+    before_tick = {o[o.index(("torch", "tick")) - 1] if o.index(("torch", "tick")) else "first" for o in orders}
+    assert len(before_tick) >= 3

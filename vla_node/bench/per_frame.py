@@ -25,15 +25,16 @@ The per-frame floor is reuse_frame's (bench/floor.py) at the clip's mean refresh
 the most speedup_vs_hf any implementation could show on this machine at this dtype; int8_floor the same with int8
 weights (against ours int8).
 
-Stages (one frame, interleaved rounds): the action tick and the full-refresh frame with its tick, per backend (the
-eager policy at the compute dtype, in fp32 and with int8 weights where they run, ONNX Runtime fp32 and int8-ort), and
-each eager stage's floor (bench/floor.py) at its dtype and weights, sampled in every round: ratio_to_floor = stage
-ms / floor ms.
+Stages (one frame, interleaved rounds, each in its own shuffled order): the action tick and the full-refresh frame
+with its tick, per backend (the eager policy at the compute dtype, in fp32 and with int8 weights where they run, ONNX
+Runtime fp32 and int8-ort), and each eager stage's floor (bench/floor.py) at its dtype and weights, sampled in every
+round: ratio_to_floor = stage ms / floor ms.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from typing import Callable
@@ -215,6 +216,15 @@ def clip_figures(config: NodeConfig, frames: list[np.ndarray], instruction: str,
             "accuracy_vs_fp32_reference": {name: accuracy(g.chunks, oracle_chunks) for name, g in gated.items()}}
 
 
+def round_order(items: list, index: int) -> list:
+    """items in round `index`'s order: shuffled by a generator seeded with the round (the same orders every run), so
+    that what a case leaves behind (caches, threads, the floors' samples) does not fall on the same next case every
+    round, as a fixed order would have it."""
+    order = list(items)
+    random.Random(index).shuffle(order)
+    return order
+
+
 def _frame_step(gated: Gated, state: np.ndarray) -> Callable[[np.ndarray], None]:
     return lambda image: gated.frame(image, state)
 
@@ -251,13 +261,16 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     samplers = {f"torch {path_name(e)}: {stage}": path_floor(c, stage, e)
                 for e in eager for stage in ("tick", "frame")}
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
-    for _ in range(rounds):
-        for key, fn in cases.items():
+    order = [*cases, None]  # None: the floors' samples, once a round (the machine as the stages see it)
+    for index in range(rounds):
+        for key in round_order(order, index):  # no case always after the same one
+            if key is None:
+                for sampler in samplers.values():
+                    sampler.sample()
+                continue
             t0 = time.perf_counter_ns()
-            fn()
+            cases[key]()
             samples[key].append((time.perf_counter_ns() - t0) / 1e6)
-        for sampler in samplers.values():  # the floors sampled in every round: the machine as the stages see it
-            sampler.sample()
     ms = {f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in samples.items()}
     floors = {}
     for key, sampler in samplers.items():
