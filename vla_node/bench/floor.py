@@ -194,6 +194,9 @@ def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) 
     return min(loop(calls) for _ in range(max(1, repeats)))
 
 
+INT8_WAY = "cpu_kernels.linear_int8"  # _matmuls' way on the int8 linear (the int8 floor's attention leaves it out)
+
+
 def _matmuls(x: torch.Tensor, w: torch.Tensor, int8: bool = False) -> dict[str, Callable[[], object]]:
     """The ways this machine multiplies x [M, K] by w [N, K]^T at their dtype: F.linear, and on a CPU where oneDNN
     runs bf16 in hardware the matmul on a prepacked weight (F.linear reorders a bf16 weight on every call: at a
@@ -213,11 +216,8 @@ def _matmuls(x: torch.Tensor, w: torch.Tensor, int8: bool = False) -> dict[str, 
             ways["cpu_kernels.linear"] = lambda: cpu_kernels.linear(x, tiles, w.shape[0], None)
         if int8 and cpu_kernels.int8_linear_kernel() and cpu_kernels.int8_linear_fits(w):
             codes = cpu_kernels.pack_linear_int8(w)
-            ways["cpu_kernels.linear_int8"] = lambda: cpu_kernels.linear_int8(x, codes, w.shape[0], None)
+            ways[INT8_WAY] = lambda: cpu_kernels.linear_int8(x, codes, w.shape[0], None)
     return ways
-
-
-INT8_WAYS = ("cpu_kernels.linear_int8",)
 
 
 class MatrixRate:
@@ -326,7 +326,7 @@ class FloorSampler:
         """The floor from every sample so far (JSON; `samples` says how many)."""
         work, (weight_bpe, kv_bpe) = self.work, self.bytes_per_element
         rate = self.rate.result()["gflops"]
-        attention_rate = self.rate.result(exclude=INT8_WAYS)["gflops"] if self.int8_weights else rate
+        attention_rate = self.rate.result(exclude=(INT8_WAY,))["gflops"] if self.int8_weights else rate
         floor = floor_ms(work, rate, self.bandwidth, weight_bpe, kv_bpe, attention_rate)
         figures = dict(gflop=work.flops / 1e9, attention_gflop=work.attention_flops / 1e9,
                        weight_mb=work.weight_bytes(weight_bpe) / 1e6, kv_mb=work.kv_bytes(kv_bpe) / 1e6,
