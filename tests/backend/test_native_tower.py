@@ -86,7 +86,7 @@ def test_it_builds_only_on_the_kernels_and_refuses_other_operands():
 def test_bench_names_the_native_layers_that_run_and_refuses_a_name_they_do_not_match(monkeypatch):
     """bench all's path name says which native layers run (`small`, bf16, packed), and its eager policy is an error,
     not a mislabelled figure, where one of them did not build."""
-    from vla_node.backends import native_tower
+    from vla_node.backends import native_tick, native_tower
     from vla_node.bench import per_frame
     from vla_node.config import NodeConfig
 
@@ -95,8 +95,14 @@ def test_bench_names_the_native_layers_that_run_and_refuses_a_name_they_do_not_m
     config = per_frame.compute_config(small, "bf16")  # (8 wide) are not the attention kernel's
     name = per_frame.path_name(config)
     assert "decoder layers one C call each" in name and "tower layers two C calls each" in name
+    assert "the tick with fresh states whole in one C call" in name
     policy = per_frame.eager_policy(config)
-    assert (policy.native_tick, policy.native_frame, policy.native_tower) == (True, True, True)
+    assert (policy.native_tick, policy.native_whole_tick, policy.native_frame, policy.native_tower) == (True,) * 4
+    monkeypatch.setattr(native_tick.NativeTick, "build", classmethod(lambda cls, *args: None))
+    with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'whole tick': False, 'tower': True, "):
+        per_frame.eager_policy(config)
+    monkeypatch.undo()
     monkeypatch.setattr(native_tower.NativeTower, "build", classmethod(lambda cls, tower: None))
-    with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'tower': False, 'reuse frame': True\}"):
+    with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'whole tick': True, 'tower': False, "
+                                           r"'reuse frame': True\}"):
         per_frame.eager_policy(config)

@@ -1279,6 +1279,85 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
 #endif
 }
 
+/* The action tick whole, in one call (backends/native_tick.py), on the prefix buffer its block was set_block'ed in:
+ * rows of x: the state's embedding (state W_state^T + b_state, the state projection as PackedLinear runs it; also into
+ * state_row, for the commit), then n - 1 copies of the action query's embedding; every decoder layer as
+ * vla_decoder_rows_bf16 (the layers' own fields but for n, cos, sin and threads, which are this call's), `stop`
+ * asked before each where given (nonzero: stop there); then on the query rows the final norm and the LM head, their
+ * logits widened to fp32, and per row its bin (the argmax over its `bins` logits from bin_base: the first of equal
+ * maxima, a NaN the maximum, as torch.argmax) and its value (low + (bin + 0.5) * step of its dim, in double, rounded
+ * to float once, as ActionBins.to_values; row r is dim r % dims). The same kernels in the same order as the Python
+ * path, so the same bits. Returns 0; -1 when the attention's workspace cannot be allocated; -2 where built without
+ * AVX512-BF16; -3 when stop said to stop (before layer `stopped`; nothing after it ran). */
+struct tick_rows {
+    const struct decoder_rows *layers; /* [count] */
+    int64_t count, n, threads;
+    const uint16_t *cos, *sin; /* [n, dim] */
+    const uint16_t *state;     /* [state_dim] */
+    int64_t state_dim;
+    const uint16_t *w_state; /* packed */
+    const float *b_state;    /* [width] or NULL */
+    uint16_t *state_row;     /* [width] */
+    const uint16_t *query;   /* [width] */
+    const uint16_t *norm;    /* [width] */
+    float eps;
+    const uint16_t *w_head; /* packed */
+    int64_t vocab;
+    uint16_t *head;   /* [n - 1, vocab] */
+    float *logits;    /* [n - 1, vocab] */
+    int64_t bin_base, bins, dims;
+    const double *low, *step; /* [dims] */
+    int64_t *out_bins;        /* [n - 1] */
+    float *values;            /* [n - 1] */
+    int (*stop)(int64_t layer);
+    int64_t stopped;
+};
+
+int vla_tick_rows_bf16(struct tick_rows *t) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const struct decoder_rows *first = t->layers;
+    const int64_t n = t->n, width = first->width, queries = n - 1;
+    uint16_t *x = first->x;
+    vla_linear_bf16(t->state, 1, t->state_dim, t->w_state, width, t->state_dim, t->b_state, 0, NULL, 0, t->state_row,
+                    width, t->threads);
+    memcpy(x, t->state_row, (size_t)width * 2);
+    for (int64_t r = 1; r < n; r++) memcpy(x + r * width, t->query, (size_t)width * 2);
+    for (int64_t i = 0; i < t->count; i++) {
+        if (t->stop && t->stop(i)) {
+            t->stopped = i;
+            return -3;
+        }
+        struct decoder_rows layer = t->layers[i];
+        layer.n = n, layer.cos = t->cos, layer.sin = t->sin, layer.threads = t->threads;
+        if (vla_decoder_rows_bf16(&layer)) return -1;
+    }
+    vla_rms_norm_bf16(x + width, t->norm, first->h, queries, width, t->eps);
+    vla_linear_bf16(first->h, queries, width, t->w_head, t->vocab, width, NULL, 0, NULL, 0, t->head, t->vocab,
+                    t->threads);
+    for (int64_t r = 0; r < queries; r++) {
+        const uint16_t *head = t->head + r * t->vocab;
+        float *logits = t->logits + r * t->vocab;
+        for (int64_t j = 0; j < t->vocab; j++) logits[j] = load_bf16(head + j);
+        const float *bins = logits + t->bin_base;
+        int64_t best = 0;
+        for (int64_t j = 1; j < t->bins && !isnan(bins[best]); j++)
+            if (isnan(bins[j]) || bins[j] > bins[best]) best = j;
+        const int64_t dim = r % t->dims;
+        t->out_bins[r] = best;
+        t->values[r] = (float)(t->low[dim] + ((double)best + 0.5) * t->step[dim]);
+    }
+    return 0;
+#else
+    (void)t;
+    return -2;
+#endif
+}
+
+int vla_tick_rows_f32(struct tick_rows *t) { /* no fp32 form: the policy's own tick runs */
+    (void)t;
+    return -2;
+}
+
 /* A decoder layer of a reuse frame's pass with the action tick's rows in it (runtime/vision_cache.FrameTokenCache.run,
  * a partial run with the shared-drift sample, the extra rows attending over the tick's prefix buffer), in one call:
  * the same kernels in the same order as the Python layer (backends/native_frame.py), so the same bits. Rows of x:

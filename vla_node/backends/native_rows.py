@@ -101,7 +101,7 @@ class NativeRows:
     def __init__(self, function, layers, prefix: PrefixBuffer, weights: list[dict[str, torch.Tensor]]) -> None:
         first = layers[0]
         a = first.self_attn
-        self._function, self._prefix, self._weights = function, prefix, weights  # the weights kept alive
+        self._function, self.prefix, self._weights = function, prefix, weights  # the weights kept alive
         self.layers = len(layers)
         width, heads, kv, dim = first.input_layernorm.weight.shape[0], a.heads, a.kv_heads, a.head_dim
         inter = first.mlp.up_proj.out_features
@@ -113,7 +113,7 @@ class NativeRows:
                 "attn": (rows, heads * dim), "act": (rows, inter), "prod": (rows, inter), "y": (rows, width)}
         self._work = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in work.items()}
         k, v = prefix.k, prefix.v  # [L, KV, slots, dim]
-        self._calls = []
+        self.calls: list[DecoderRows] = []  # a layer's call each (NativeTick copies them)
         for i, w in enumerate(weights):
             call = DecoderRows(x=self._x.data_ptr(), width=width, heads=heads, kv_heads=kv, dim=dim, inter=inter,
                                buffer_k=k[i].data_ptr(), buffer_v=v[i].data_ptr(), buffer_head=k.stride(1),
@@ -121,7 +121,7 @@ class NativeRows:
                                block_at=prefix.prefix_tokens + prefix.state_slots, bias=prefix.bias.data_ptr(),
                                bias_row=prefix.bias.stride(0), eps=layers[i].input_layernorm.eps, scale=dim ** -0.5,
                                **{name: t.data_ptr() for name, t in {**w, **self._work}.items()})
-            self._calls.append(call)
+            self.calls.append(call)
 
     @classmethod
     def build(cls, layers, prefix: PrefixBuffer | None) -> "NativeRows | None":
@@ -144,18 +144,18 @@ class NativeRows:
         view of a workspace that the next run overwrites."""
         n, (width, kv, dim) = x.shape[0], self.shape
         kv_shape = (self.layers, kv, n, dim)
-        if (n != self._prefix.block or x.dtype != torch.bfloat16 or x.shape != (n, width)
+        if (n != self.prefix.block or x.dtype != torch.bfloat16 or x.shape != (n, width)
                 or any(t.dtype != torch.bfloat16 or t.shape != (n, dim) for t in (cos, sin))
                 or any(t.dtype != torch.bfloat16 or t.shape != kv_shape for t in (out_k, out_v))
                 or out_k.stride() != out_v.stride() or out_k.stride(3) != 1):
             raise ValueError(f"a block of {tuple(x.shape)} {x.dtype} rows, rotary {tuple(cos.shape)} {cos.dtype}, K/V "
-                             f"out {tuple(out_k.shape)} {out_k.dtype}: expected the {self._prefix.block} bf16 rows "
+                             f"out {tuple(out_k.shape)} {out_k.dtype}: expected the {self.prefix.block} bf16 rows "
                              f"[n, {width}] set_block said, rotary [n, {dim}] and K/V out {list(kv_shape)} bf16 of one "
                              f"layout, last dim contiguous")
         self._x[:n].copy_(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         threads = torch.get_num_threads()
-        for i, call in enumerate(self._calls):
+        for i, call in enumerate(self.calls):
             if before_layer is not None:
                 before_layer(i)
             call.n, call.cos, call.sin, call.threads = n, cos.data_ptr(), sin.data_ptr(), threads

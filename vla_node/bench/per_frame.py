@@ -104,8 +104,9 @@ def path_name(config: NodeConfig) -> str:
     packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
     16 rows with AMX, else 8), with the linear kernel and the attention kernel the decoder's layers in one C call
     each (backends/native_rows.py: the tick's block; native_frame.py: a reuse frame's with the tick in its pass,
-    where the vision partition is INT8) and the tower's in two (native_tower.py: a partial refresh), and the tick
-    compiled where model.compiled_tick resolves on (eager_policy checks that these ran)."""
+    where the vision partition is INT8) and the tower's in two (native_tower.py: a partial refresh), a tick with the
+    stored states fresh whole in one (native_tick.py: the parallel bins head, not compiled), and the tick compiled
+    where model.compiled_tick resolves on (eager_policy checks that these ran)."""
     s = config.model
     dtype = dtype_named(s.resolved_dtype)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
@@ -119,6 +120,9 @@ def path_name(config: NodeConfig) -> str:
         decoder_kernel, tower_kernel = attention_kernels(s.model_config(), dtype, torch.device(s.device))
         if kernel_matmuls() and decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
+            if ((s.model_config().action_decode, s.model_config().action_head) == ("parallel", "bins")
+                    and not s.resolved_compiled_tick):
+                parts.append("the tick with fresh states whole in one C call")
         if kernel_matmuls() and tower_kernel:
             parts.append("tower layers two C calls each (a partial refresh)")
     elif s.weight_format == "int8":
@@ -138,10 +142,12 @@ def eager_policy(config: NodeConfig) -> MultiRatePolicy:
                            "above): the figures would be the eager tick's")
     name, vision = path_name(config), config.cache.vision
     tick = "decoder layers one C call each" in name
-    named = {"tick": tick, "tower": "tower layers two C calls each" in name,
+    named = {"tick": tick, "whole tick": "whole in one C call" in name,
+             "tower": "tower layers two C calls each" in name,
              "reuse frame": tick and vision.storage_dtype == "int8" and vision.policy == "fifo"
              and policy.config.vision_frames == 1}
-    ran = {"tick": policy.native_tick, "tower": policy.native_tower, "reuse frame": policy.native_frame}
+    ran = {"tick": policy.native_tick, "whole tick": policy.native_whole_tick, "tower": policy.native_tower,
+           "reuse frame": policy.native_frame}
     if ran != named:
         raise RuntimeError(f"the policy's native layers {ran}, unlike its path's name ({named}): {name}")
     policy.compile_kernels()

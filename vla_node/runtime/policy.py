@@ -34,6 +34,7 @@ from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
 from vla_node.backends.native_frame import NativeFrame
 from vla_node.backends.native_rows import NativeRows
+from vla_node.backends.native_tick import NativeTick
 from vla_node.backends.native_tower import NativeTower
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import (
@@ -87,6 +88,14 @@ def require_commit(commit: bool) -> None:
     """A flow tick writes its state into the tick's prefix buffer as it runs: it always commits."""
     if not commit:
         raise ValueError("action_tick(commit=False) on the flow head: only a bins tick runs without committing")
+
+
+def layer_checks(check: Check | None, layers: int) -> Callable[[int], None] | None:
+    """The budget check before each of `layers` decoder layers run from C (NativeRows, NativeTick): layer i asks at
+    i / layers and raises StageAborted to stop; None without a check."""
+    if check is None:
+        return None
+    return lambda i: stop(check, i / layers, f"stopped before decoder layer {i}")
 
 
 def on_device(verb):
@@ -239,6 +248,9 @@ class MultiRatePolicy:
         self._tick_mask[0, 0] = True
         self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
+        # the tick between frames that carried theirs (the states fresh) whole in one C call, where NativeRows runs
+        self._native_tick = NativeTick.build(self._native_rows, self.model, c, self._stage_k[:, :, :n_tick],
+                                             self._stage_v[:, :, :n_tick], self._logits, self.bins)
         self._flow = FlowTick(self) if c.action_head == "flow" else None
         self._compiled: CompiledTick | None = None  # use_compiled_tick
 
@@ -262,6 +274,12 @@ class MultiRatePolicy:
     def native_tick(self) -> bool:
         """Whether the tick's block runs each decoder layer in one C call (backends/native_rows.py)."""
         return self._native_rows is not None
+
+    @property
+    def native_whole_tick(self) -> bool:
+        """Whether a tick with the stored states fresh runs whole in one C call (backends/native_tick.py; not where
+        the tick runs compiled)."""
+        return self._native_tick is not None and self._compiled is None
 
     @property
     def native_frame(self) -> bool:
@@ -358,12 +376,7 @@ class MultiRatePolicy:
         if self._native_rows is None:
             return self._run_block(x, positions, attend, out_k, out_v, check)
         cos, sin = self.model.decoder.rope(positions, x.dtype)
-        layers = self._native_rows.layers
-
-        def before_layer(i: int) -> None:
-            stop(check, i / layers, f"stopped before decoder layer {i}")
-
-        return self._native_rows.run(x, cos, sin, out_k, out_v, None if check is None else before_layer)
+        return self._native_rows.run(x, cos, sin, out_k, out_v, layer_checks(check, self._native_rows.layers))
 
     def _text_segment(self, layer: int) -> Segment:
         """The text partition's valid slots only: update_text writes them in order from slot 0, so a block that
@@ -603,12 +616,14 @@ class MultiRatePolicy:
         c = self.config
         s = check_state(state, c.state_dim).to(self.device, self.dtype)
         slot = self.state_count % c.state_slots
-        x = self.model.embed_state(s)  # [1, hidden]
         position = torch.tensor([c.state_base + slot])
         self._others.copy_(self.action.valid)
         self._others[slot] = False  # the slot being replaced in the ring
         for imp in self._importance:
             imp.zero_()
+        if self._native_tick is not None and self._compiled is None and not self._states_stale:
+            return self._native_action_tick(s, slot, position, check, commit)
+        x = self.model.embed_state(s)  # [1, hidden]
         refreshed = None
         if c.action_decode == "parallel":
             bins, k_s, v_s, refreshed = self._decode_tick(x, position, check)
@@ -629,15 +644,30 @@ class MultiRatePolicy:
             self._commit_tick(slot, x, k_s, v_s, position, refreshed)
         return chunk
 
+    def _native_action_tick(self, s: torch.Tensor, slot: int, position: torch.Tensor, check: Check | None,
+                            commit: bool) -> ActionChunk:
+        """action_tick's parallel block with the stored states fresh, whole in one C call (backends/native_tick.py):
+        _decode_tick's bits, and its chunk and commit."""
+        n = 1 + self.config.action_tokens
+        self._old_states[1:] = self._others
+        self._prefix.set_block(self._old_states, self._tick_mask, n)
+        self._prefix.load_states(self.action)
+        bins, values = self._native_tick.run(s, slot, layer_checks(check, self._native_tick.layers))
+        k_s, v_s = self._stage_k[:, :, :1], self._stage_v[:, :, :1]
+        chunk = self._tick_chunk(bins, k_s, v_s, position, None, values)
+        if commit:
+            self._commit_tick(slot, self._native_tick.state_row, k_s, v_s, position, None)
+        return chunk
+
     def _tick_chunk(self, bins: np.ndarray, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,
-                    refreshed: tuple | None) -> ActionChunk:
-        """The chunk of `bins` and self._logits, and every write of the tick's commit checked (a non-finite K/V
-        raises here): all that can fail, before anything is committed."""
+                    refreshed: tuple | None, values: np.ndarray | None = None) -> ActionChunk:
+        """The chunk of `bins` (their `values` where computed already) and self._logits, and every write of the
+        tick's commit checked (a non-finite K/V raises here): all that can fail, before anything is committed."""
         if refreshed is not None:
             self.action.check_tokens(refreshed[1], refreshed[2], refreshed[3], 0)
         self.action.check_tokens(k_s, v_s, position, 0)
         logits = self._logits.to("cpu", torch.float32, copy=True)  # the buffer is reused by the next tick
-        return ActionChunk(self.bins.to_values(bins), bins, logits)
+        return ActionChunk(self.bins.to_values(bins) if values is None else values, bins, logits)
 
     def _commit_tick(self, slot: int, x: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, position: torch.Tensor,
                      refreshed: tuple | None) -> None:

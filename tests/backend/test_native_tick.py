@@ -1,0 +1,164 @@
+"""backends/native_tick: the tick with fresh states, whole in one C call, gives the bits of the policy's tick on
+NativeRows (every output: bins, values, logits, the ring's K/V, the state embedding, the prefix buffer), with ties
+and NaN among the bin logits too; it stops at the budget as the layers do, lets any other error out, and applies
+only where every piece of it runs on the CPU kernels."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.native_layers import Counted, needs_native_layers
+from vla_node.backends import cpu_kernels
+from vla_node.backends.loading import convert_weights, load_model
+from vla_node.backends.native_tick import NativeTick
+from vla_node.backends.tick_engine import intra_op_threads
+from vla_node.kv.cache_config import CacheConfig
+from vla_node.model.config import preset
+from vla_node.model.tokenizer import BIN_BASE
+from vla_node.runtime.policy import MultiRatePolicy
+from vla_node.runtime.stages import StageAborted
+
+pytestmark = needs_native_layers
+
+CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame
+
+
+def _policies(plain=None) -> tuple[MultiRatePolicy, MultiRatePolicy]:
+    """Two policies of the same packed weights (of `plain`, default seed 3's): the first's fresh-state ticks on
+    NativeTick (counted), the second's on NativeRows."""
+    plain = load_model(CONFIG, "plain", seed=3) if plain is None else plain
+    whole, rows = (MultiRatePolicy(convert_weights(copy.deepcopy(plain), "packed"), CacheConfig(), torch.bfloat16)
+                   for _ in range(2))
+    assert whole._native_tick is not None, "NativeTick did not build for the packed bf16 policy"
+    whole._native_tick = Counted(whole._native_tick, "run")
+    rows._native_tick = None
+    return whole, rows
+
+
+def _frame(i: int) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+
+def _drive(policy: MultiRatePolicy) -> list:
+    """Frames (their tick in the pass) with ticks after them, an instruction change (the next tick recomputes the
+    stale states in its block: not NativeTick's), a tick not committed: every chunk, then the ring, the stored
+    state embeddings and the prefix buffer."""
+    out = []
+    policy.update_text("keep the lane")
+    for i in range(3):
+        state = np.full(CONFIG.state_dim, 0.1 * i, np.float32)
+        out.append(policy.update_vision(policy.prepare_frames([_frame(i)]), state=state).chunk)
+        out.extend(policy.action_tick(state + 0.01 * j) for j in range(CONFIG.state_slots + 1))  # round the ring
+        if i == 1:
+            policy.update_text("turn left at the light")
+            out.extend(policy.action_tick(state) for _ in range(2))
+    out.append(policy.action_tick(np.ones(CONFIG.state_dim, np.float32), commit=False))
+    for layer in range(CONFIG.num_layers):
+        out.append(policy.action.read(layer))
+    out.append((policy._state_embeds, policy._prefix.k, policy._prefix.v, torch.tensor(policy.state_count)))
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal with NaN equal to NaN (where both have one)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _assert_same(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if isinstance(a, tuple):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"item {i} differs"
+        else:
+            assert _same_bits(a.logits, b.logits), f"chunk {i}: logits differ by {(a.logits - b.logits).abs().max()}"
+            assert np.array_equal(a.bins, b.bins), f"chunk {i}: bins differ"
+            assert a.actions.dtype == b.actions.dtype and np.array_equal(a.actions, b.actions), f"chunk {i}: values"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_whole_tick_in_one_call_gives_the_bits_of_the_tick_on_native_rows(threads):
+    with intra_op_threads(threads):
+        whole, rows = _policies()
+        got, want = _drive(whole), _drive(rows)
+    _assert_same(got, want)
+    # every tick after a frame, the uncommitted one and the one after the second text's fused tick: not the frames'
+    # ticks, not the fused ones
+    assert whole._native_tick.calls == 3 * CONFIG.state_slots + 3 + 1 + 1
+
+
+def test_tied_and_nan_bin_logits_pick_the_bin_torch_argmax_picks():
+    plain = load_model(CONFIG, "plain", seed=3)
+    with torch.no_grad():
+        plain.decoder.model.norm.weight.zero_()  # every logit 0: all bins tie, the first (0) is the argmax
+    whole, rows = _policies(plain)
+    got, want = _drive(whole), _drive(rows)
+    _assert_same(got, want)
+    assert (got[1].bins == 0).all() and whole._native_tick.calls > 0
+    with torch.no_grad():
+        plain.decoder.lm_head.weight[[BIN_BASE + 11, BIN_BASE + 13]] = float("nan")  # NaN the maximum: the first
+    whole, rows = _policies(plain)
+    got, want = _drive(whole), _drive(rows)
+    _assert_same(got, want)
+    assert (got[1].bins == 11).all() and whole._native_tick.calls > 0
+
+
+def test_a_budget_stop_before_a_layer_commits_nothing_and_other_errors_pass_through():
+    whole, rows = _policies()
+    state = np.zeros(CONFIG.state_dim, np.float32)
+    asked = []
+    for policy in (whole, rows):
+        policy.update_text("go")
+        policy.update_vision(policy.prepare_frames([_frame(0)]), state=state)
+        count, ring = policy.state_count, policy.action.read(0)
+        fractions = []
+        with pytest.raises(StageAborted, match="stopped before decoder layer 1"):
+            policy.action_tick(state, check=lambda f: fractions.append(f) or f < 0.5)
+        asked.append(fractions)
+        assert policy.state_count == count and all(torch.equal(a, b) for a, b in zip(ring, policy.action.read(0)))
+
+        def broken(fraction: float) -> bool:
+            raise KeyError("the budget's clock is gone")
+
+        with pytest.raises(KeyError, match="the budget's clock is gone"):
+            policy.action_tick(state, check=broken)
+        assert policy.state_count == count
+    assert asked[0] == asked[1] == [0.0, 0.5]
+    assert whole._native_tick.calls == 2
+    _assert_same([whole.action_tick(state + 1, check=lambda f: True)], [rows.action_tick(state + 1)])
+
+
+def test_a_tick_over_another_block_or_of_another_state_is_refused_with_what_was_expected():
+    whole, _ = _policies()
+    tick = whole._native_tick.native
+    state = torch.zeros(CONFIG.state_dim, dtype=torch.bfloat16)
+    whole._prefix.set_block(None, None, 3)
+    n = 1 + CONFIG.action_tokens
+    with pytest.raises(ValueError, match=rf"over a block of 3 rows: expected a bf16 state \[4\] and the {n} rows"):
+        tick.run(state, 0)
+    whole._prefix.set_block(None, None, n)
+    with pytest.raises(ValueError, match=r"a tick of state \(4,\) torch.float32 .* expected a bf16 state \[4\]"):
+        tick.run(state.float(), 0)
+
+
+def test_it_applies_only_to_the_parallel_bins_head_with_every_piece_on_the_kernels():
+    fp32 = MultiRatePolicy(load_model(CONFIG, "plain", seed=3), CacheConfig(), torch.float32)
+    assert fp32._native_tick is None
+    for other in (CONFIG.replace(action_decode="autoregressive"), CONFIG.replace(action_head="flow")):
+        policy = MultiRatePolicy(load_model(other, "packed", seed=3), CacheConfig(), torch.bfloat16)
+        assert policy._native_tick is None
+    if cpu_kernels.int8_linear_kernel():
+        int8 = MultiRatePolicy(load_model(CONFIG, "int8", seed=3), CacheConfig(), torch.bfloat16)
+        assert int8._native_tick is None
+    packed = MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
+    n = 1 + CONFIG.action_tokens
+    args = (packed.model, packed.config, packed._stage_k[:, :, :n], packed._stage_v[:, :, :n], packed._logits,
+            packed.bins)
+    assert NativeTick.build(packed._native_rows, *args) is not None
+    assert NativeTick.build(None, *args) is None
+    with pytest.raises(ValueError, match=rf"logits \({n - 1}, 300\) torch.float32: expected .* logits \[{n - 1}, "):
+        NativeTick.build(packed._native_rows, *args[:4], torch.zeros(n - 1, 300), packed.bins)
+    packed.model.decoder.model.norm.__class__ = type(packed.model.decoder.model.norm).__mro__[1]  # torch's RMSNorm
+    assert NativeTick.build(packed._native_rows, *args) is None
