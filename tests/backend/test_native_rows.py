@@ -23,11 +23,11 @@ CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 
 def _policies() -> tuple[MultiRatePolicy, MultiRatePolicy]:
     """Two policies of the same packed weights: the first's tick on NativeRows (a tick with fresh states whole on
-    NativeTick), the second's on its own layers."""
+    NativeTick, the head of the others on NativeHead), the second's on its own layers and the Python head."""
     native, layers = (MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
                       for _ in range(2))
     assert native._native_rows is not None, "NativeRows did not build for the packed bf16 policy"
-    layers._native_rows = layers._native_tick = None
+    layers._native_rows = layers._native_tick = layers._native_head = None
     return native, layers
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers.native_layers import Counted, needs_native_layers
 from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import convert_weights, load_model
-from vla_node.backends.native_tick import NativeTick
+from vla_node.backends.native_tick import NativeHead, NativeTick
 from vla_node.backends.tick_engine import intra_op_threads
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
@@ -27,13 +27,15 @@ CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame
 
 def _policies(plain=None) -> tuple[MultiRatePolicy, MultiRatePolicy]:
     """Two policies of the same packed weights (of `plain`, default seed 3's): the first's fresh-state ticks on
-    NativeTick (counted), the second's on NativeRows."""
+    NativeTick and its other ticks' head on NativeHead (both counted), the second's on NativeRows and the Python
+    head."""
     plain = load_model(CONFIG, "plain", seed=3) if plain is None else plain
     whole, rows = (MultiRatePolicy(convert_weights(copy.deepcopy(plain), "packed"), CacheConfig(), torch.bfloat16)
                    for _ in range(2))
     assert whole._native_tick is not None, "NativeTick did not build for the packed bf16 policy"
     whole._native_tick = Counted(whole._native_tick, "run")
-    rows._native_tick = None
+    whole._native_head = Counted(whole._native_head, "run")
+    rows._native_tick = rows._native_head = None
     return whole, rows
 
 
@@ -84,9 +86,10 @@ def test_the_whole_tick_in_one_call_gives_the_bits_of_the_tick_on_native_rows(th
         whole, rows = _policies()
         got, want = _drive(whole), _drive(rows)
     _assert_same(got, want)
-    # every tick after a frame, the uncommitted one and the one after the second text's fused tick: not the frames'
-    # ticks, not the fused ones
-    assert whole._native_tick.calls == 3 * CONFIG.state_slots + 3 + 1 + 1
+    # NativeTick: every tick after a frame, the uncommitted one and the one after the second text's fused tick;
+    # NativeHead alone: the frames' ticks and the fused one
+    assert whole._native_tick.calls == 3 * (CONFIG.state_slots + 1) + 1 + 1
+    assert whole._native_head.calls == 3 + 1
 
 
 def test_tied_and_nan_bin_logits_pick_the_bin_torch_argmax_picks():
@@ -130,9 +133,15 @@ def test_a_budget_stop_before_a_layer_commits_nothing_and_other_errors_pass_thro
     _assert_same([whole.action_tick(state + 1, check=lambda f: True)], [rows.action_tick(state + 1)])
 
 
-def test_a_tick_over_another_block_or_of_another_state_is_refused_with_what_was_expected():
+def test_a_tick_over_another_block_or_of_another_state_and_a_head_of_other_rows_are_refused():
     whole, _ = _policies()
-    tick = whole._native_tick.native
+    tick, head = whole._native_tick.native, whole._native_head.native
+    rows = torch.zeros(CONFIG.action_tokens, CONFIG.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"query rows \(8, 64\) torch.float32: expected contiguous bf16 \[8, 64\]"):
+        head.run(rows.float())
+    with pytest.raises(ValueError, match=r"query rows \(64, 8\) torch.bfloat16: expected"):
+        head.run(rows.reshape(8, 64).t())
+    head.run(rows)
     state = torch.zeros(CONFIG.state_dim, dtype=torch.bfloat16)
     whole._prefix.set_block(None, None, 3)
     n = 1 + CONFIG.action_tokens
@@ -154,11 +163,14 @@ def test_it_applies_only_to_the_parallel_bins_head_with_every_piece_on_the_kerne
         assert int8._native_tick is None
     packed = MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
     n = 1 + CONFIG.action_tokens
-    args = (packed.model, packed.config, packed._stage_k[:, :, :n], packed._stage_v[:, :, :n], packed._logits,
-            packed.bins)
-    assert NativeTick.build(packed._native_rows, *args) is not None
-    assert NativeTick.build(None, *args) is None
+    head = (packed.model, packed.config, packed._logits, packed.bins)
+    out = (packed.model, packed.config, packed._stage_k[:, :, :n], packed._stage_v[:, :, :n])
+    assert NativeHead.build(*head) is not None and NativeTick.build(packed._native_rows, packed._native_head, *out)
+    assert NativeTick.build(None, packed._native_head, *out) is None and NativeTick.build(packed._native_rows, None,
+                                                                                           *out) is None
     with pytest.raises(ValueError, match=rf"logits \({n - 1}, 300\) torch.float32: expected .* logits \[{n - 1}, "):
-        NativeTick.build(packed._native_rows, *args[:4], torch.zeros(n - 1, 300), packed.bins)
+        NativeHead.build(*head[:2], torch.zeros(n - 1, 300), packed.bins)
+    with pytest.raises(ValueError, match=r"tick K/V out \(2, 2, 9, 16\) torch.float32: expected \[2, 2, 9, 16\] bf16"):
+        NativeTick.build(packed._native_rows, packed._native_head, *out[:2], out[2].float(), out[3].float())
     packed.model.decoder.model.norm.__class__ = type(packed.model.decoder.model.norm).__mro__[1]  # torch's RMSNorm
-    assert NativeTick.build(packed._native_rows, *args) is None
+    assert NativeHead.build(*head) is None

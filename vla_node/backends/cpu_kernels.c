@@ -1279,16 +1279,66 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
 #endif
 }
 
-/* The action tick whole, in one call (backends/native_tick.py), on the prefix buffer its block was set_block'ed in:
- * rows of x: the state's embedding (state W_state^T + b_state, the state projection as PackedLinear runs it; also into
- * state_row, for the commit), then n - 1 copies of the action query's embedding; every decoder layer as
- * vla_decoder_rows_bf16 (the layers' own fields but for n, cos, sin and threads, which are this call's), `stop`
- * asked before each where given (nonzero: stop there); then on the query rows the final norm and the LM head, their
- * logits widened to fp32, and per row its bin (the argmax over its `bins` logits from bin_base: the first of equal
- * maxima, a NaN the maximum, as torch.argmax) and its value (low + (bin + 0.5) * step of its dim, in double, rounded
- * to float once, as ActionBins.to_values; row r is dim r % dims). The same kernels in the same order as the Python
- * path, so the same bits. Returns 0; -1 when the attention's workspace cannot be allocated; -2 where built without
- * AVX512-BF16; -3 when stop said to stop (before layer `stopped`; nothing after it ran). */
+/* The action head on the query rows' final hidden states x [queries, width] (backends/native_tick.py: NativeHead): the
+ * final norm and the LM head (into h and head), their logits widened to fp32, and per row its bin (the argmax over its
+ * `bins` logits from bin_base: the first of equal maxima, a NaN the maximum, as torch.argmax) and its value
+ * (low + (bin + 0.5) * step of its dim, in double, rounded to float once, as ActionBins.to_values; row r is dim
+ * r % dims). The same kernels on the same operands as the Python head (Decoder.logits), so the same bits. Returns 0;
+ * -2 where built without AVX512-BF16. */
+struct tick_head {
+    const uint16_t *x; /* [queries, width] */
+    int64_t queries, width;
+    const uint16_t *norm; /* [width] */
+    float eps;
+    const uint16_t *w_head; /* packed */
+    int64_t vocab;
+    uint16_t *h;    /* [queries, width] */
+    uint16_t *head; /* [queries, vocab] */
+    float *logits;  /* [queries, vocab] */
+    int64_t bin_base, bins, dims;
+    const double *low, *step; /* [dims] */
+    int64_t *out_bins;        /* [queries] */
+    float *values;            /* [queries] */
+    int64_t threads;
+};
+
+int vla_tick_head_bf16(const struct tick_head *c) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    vla_rms_norm_bf16(c->x, c->norm, c->h, c->queries, c->width, c->eps);
+    vla_linear_bf16(c->h, c->queries, c->width, c->w_head, c->vocab, c->width, NULL, 0, NULL, 0, c->head, c->vocab,
+                    c->threads);
+    for (int64_t r = 0; r < c->queries; r++) {
+        const uint16_t *head = c->head + r * c->vocab;
+        float *logits = c->logits + r * c->vocab;
+        for (int64_t j = 0; j < c->vocab; j++) logits[j] = load_bf16(head + j);
+        const float *bins = logits + c->bin_base;
+        int64_t best = 0;
+        for (int64_t j = 1; j < c->bins && !isnan(bins[best]); j++)
+            if (isnan(bins[j]) || bins[j] > bins[best]) best = j;
+        const int64_t dim = r % c->dims;
+        c->out_bins[r] = best;
+        c->values[r] = (float)(c->low[dim] + ((double)best + 0.5) * c->step[dim]);
+    }
+    return 0;
+#else
+    (void)c;
+    return -2;
+#endif
+}
+
+int vla_tick_head_f32(const struct tick_head *c) { /* no fp32 form: the Python head runs */
+    (void)c;
+    return -2;
+}
+
+/* The action tick whole, in one call (backends/native_tick.py: NativeTick), on the prefix buffer its block was
+ * set_block'ed in: rows of x: the state's embedding (state W_state^T + b_state, the state projection as PackedLinear
+ * runs it; also into state_row, for the commit), then n - 1 copies of the action query's embedding; every decoder
+ * layer as vla_decoder_rows_bf16 (the layers' own fields but for n, cos, sin and threads, which are this call's),
+ * `stop` asked before each where given (nonzero: stop there); then vla_tick_head_bf16 on the query rows (`head`: its
+ * x and threads this call's). The same kernels in the same order as the Python path, so the same bits. Returns 0;
+ * -1 when the attention's workspace cannot be allocated; -2 where built without AVX512-BF16; -3 when stop said to
+ * stop (before layer `stopped`; nothing after it ran). */
 struct tick_rows {
     const struct decoder_rows *layers; /* [count] */
     int64_t count, n, threads;
@@ -1299,16 +1349,7 @@ struct tick_rows {
     const float *b_state;    /* [width] or NULL */
     uint16_t *state_row;     /* [width] */
     const uint16_t *query;   /* [width] */
-    const uint16_t *norm;    /* [width] */
-    float eps;
-    const uint16_t *w_head; /* packed */
-    int64_t vocab;
-    uint16_t *head;   /* [n - 1, vocab] */
-    float *logits;    /* [n - 1, vocab] */
-    int64_t bin_base, bins, dims;
-    const double *low, *step; /* [dims] */
-    int64_t *out_bins;        /* [n - 1] */
-    float *values;            /* [n - 1] */
+    struct tick_head head;
     int (*stop)(int64_t layer);
     int64_t stopped;
 };
@@ -1316,7 +1357,7 @@ struct tick_rows {
 int vla_tick_rows_bf16(struct tick_rows *t) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     const struct decoder_rows *first = t->layers;
-    const int64_t n = t->n, width = first->width, queries = n - 1;
+    const int64_t n = t->n, width = first->width;
     uint16_t *x = first->x;
     vla_linear_bf16(t->state, 1, t->state_dim, t->w_state, width, t->state_dim, t->b_state, 0, NULL, 0, t->state_row,
                     width, t->threads);
@@ -1331,22 +1372,9 @@ int vla_tick_rows_bf16(struct tick_rows *t) {
         layer.n = n, layer.cos = t->cos, layer.sin = t->sin, layer.threads = t->threads;
         if (vla_decoder_rows_bf16(&layer)) return -1;
     }
-    vla_rms_norm_bf16(x + width, t->norm, first->h, queries, width, t->eps);
-    vla_linear_bf16(first->h, queries, width, t->w_head, t->vocab, width, NULL, 0, NULL, 0, t->head, t->vocab,
-                    t->threads);
-    for (int64_t r = 0; r < queries; r++) {
-        const uint16_t *head = t->head + r * t->vocab;
-        float *logits = t->logits + r * t->vocab;
-        for (int64_t j = 0; j < t->vocab; j++) logits[j] = load_bf16(head + j);
-        const float *bins = logits + t->bin_base;
-        int64_t best = 0;
-        for (int64_t j = 1; j < t->bins && !isnan(bins[best]); j++)
-            if (isnan(bins[j]) || bins[j] > bins[best]) best = j;
-        const int64_t dim = r % t->dims;
-        t->out_bins[r] = best;
-        t->values[r] = (float)(t->low[dim] + ((double)best + 0.5) * t->step[dim]);
-    }
-    return 0;
+    struct tick_head head = t->head;
+    head.x = x + width, head.queries = n - 1, head.threads = t->threads;
+    return vla_tick_head_bf16(&head);
 #else
     (void)t;
     return -2;

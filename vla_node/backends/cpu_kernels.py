@@ -92,6 +92,7 @@ _SIGNATURES = {
     "decoder_rows": [_P],
     "frame_rows": [_P],
     "tower_rows": [_P],
+    "tick_head": [_P],
     "tick_rows": [_P],
 }
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "gelu_tanh": 3}  # cpu_kernels.c's linear ops
@@ -117,6 +118,7 @@ class Kernels(NamedTuple):
     decoder_rows: dict[torch.dtype, Callable]  # a decoder layer of a block of rows (native_rows.py); -2 as linear
     frame_rows: dict[torch.dtype, Callable]  # a reuse frame's decoder layer with extra rows (native_frame.py); the same
     tower_rows: dict[torch.dtype, Callable]  # half a tower layer of a partial refresh (native_tower.py); the same
+    tick_head: dict[torch.dtype, Callable]  # the action head on the query rows (native_tick.py); the same
     tick_rows: dict[torch.dtype, Callable]  # the action tick whole (native_tick.py); the same, -3 where stopped
     parts: Callable  # parts(items, threads): the parts a threaded call runs in (1 where built without OpenMP)
     path: Path

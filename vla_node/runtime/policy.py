@@ -34,7 +34,7 @@ from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.engine import Engine
 from vla_node.backends.native_frame import NativeFrame
 from vla_node.backends.native_rows import NativeRows
-from vla_node.backends.native_tick import NativeTick
+from vla_node.backends.native_tick import NativeHead, NativeTick
 from vla_node.backends.native_tower import NativeTower
 from vla_node.backends.packed_weights import warm_row_buckets, warm_workers
 from vla_node.kv.attention import (
@@ -248,9 +248,11 @@ class MultiRatePolicy:
         self._tick_mask[0, 0] = True
         self._old_states = torch.zeros(n_tick, c.state_slots, dtype=torch.bool)  # row 0 stays all False
         self._logits = torch.zeros(c.action_tokens, c.vocab_size)
-        # the tick between frames that carried theirs (the states fresh) whole in one C call, where NativeRows runs
-        self._native_tick = NativeTick.build(self._native_rows, self.model, c, self._stage_k[:, :, :n_tick],
-                                             self._stage_v[:, :, :n_tick], self._logits, self.bins)
+        # the bins head in one C call where it runs on the kernels, and the tick between frames that carried theirs
+        # (the states fresh) whole in one C call, where NativeRows runs too
+        self._native_head = NativeHead.build(self.model, c, self._logits, self.bins)
+        self._native_tick = NativeTick.build(self._native_rows, self._native_head, self.model, c,
+                                             self._stage_k[:, :, :n_tick], self._stage_v[:, :, :n_tick])
         self._flow = FlowTick(self) if c.action_head == "flow" else None
         self._compiled: CompiledTick | None = None  # use_compiled_tick
 
@@ -684,7 +686,10 @@ class MultiRatePolicy:
                 self.vision.add_importance(None, imp, segment=i)
 
     def _tick_bins(self, hidden: torch.Tensor) -> np.ndarray:
-        """The action queries' final hidden states [H*D, hidden] -> logits into self._logits; returns bins [H, D]."""
+        """The action queries' final hidden states [H*D, hidden] -> logits into self._logits; returns bins [H, D]
+        (in one C call where the head runs on the kernels: the same bits)."""
+        if self._native_head is not None and hidden.dtype == torch.bfloat16 and hidden.is_contiguous():
+            return self._native_head.run(hidden)[0]
         self._logits.copy_(self.model.decoder.logits(hidden))
         return self.bins.bins_from_logits(self._logits).cpu().numpy()
 
