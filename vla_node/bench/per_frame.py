@@ -108,20 +108,19 @@ def path_name(config: NodeConfig) -> str:
     stored states fresh whole in one (native_tick.py: the parallel bins head, not compiled), and the tick compiled
     where model.compiled_tick resolves on (eager_policy checks that these ran)."""
     s = config.model
-    dtype = dtype_named(s.resolved_dtype)
+    model, dtype, device = s.model_config(), dtype_named(s.resolved_dtype), torch.device(s.device)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
-    if fused_attention_pays(dtype, torch.device(s.device)):
+    if fused_attention_pays(dtype, device):
         parts.append("SDPA attention")
-    elif any(attention_kernels(s.model_config(), dtype, torch.device(s.device))):
+    elif any(attention_kernels(model, dtype, device)):
         parts.append("attention on the AVX512-BF16 kernel")
     if s.weight_format == "packed":
         parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
                      f"rows padded to {bucket_step()}")
-        decoder_kernel, tower_kernel = attention_kernels(s.model_config(), dtype, torch.device(s.device))
+        decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
         if kernel_matmuls() and decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
-            if ((s.model_config().action_decode, s.model_config().action_head) == ("parallel", "bins")
-                    and not s.resolved_compiled_tick):
+            if (model.action_decode, model.action_head) == ("parallel", "bins") and not s.resolved_compiled_tick:
                 parts.append("the tick with fresh states whole in one C call")
         if kernel_matmuls() and tower_kernel:
             parts.append("tower layers two C calls each (a partial refresh)")
