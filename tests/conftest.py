@@ -70,3 +70,15 @@ def fresh_library(monkeypatch, tmp_path):
     monkeypatch.undo()
     cpu_kernels.library.cache_clear()
     cpu_kernels.library()
+
+
+@pytest.fixture
+def attention_on_the_kernel(monkeypatch):
+    """Policies built in the test attend by the fused attention kernel, as on a CPU whose oneDNN runs no AMX: where it
+    does (an Intel Xeon with AMX), a bf16 policy takes SDPA instead (runtime/policy.fused_attention_pays) and none of
+    the native layers builds, though their C code and the kernels under it are the same to check there."""
+    from vla_node.backends import cpu_features
+    from vla_node.runtime import policy
+
+    monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: False)
+    monkeypatch.setattr(policy, "onednn_runs_amx", lambda: False)

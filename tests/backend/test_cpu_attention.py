@@ -49,9 +49,12 @@ def test_the_kernel_is_as_near_fp64_attention_as_torchs_form(shape, biased):
         want = dense_attention(q.double(), k.double(), v.double(), None, None if bias is None else bias.double())
         want = want.nan_to_num(0.0)  # the row that sees nothing: zeros, as both forms give it
         got = cpu_kernels.attention(q, k, v, bias)
-        torch_form = buffer_attention(q, k, v, bias)
+        # torch's form on the rows that see something: on an AMX Xeon its P V matmul (oneDNN) turned the NaN row
+        # of the row that sees nothing into a NaN in another row of the same call, before it zeroes the empty row
+        seen = slice(1, None) if biased else slice(None)
+        torch_form = buffer_attention(q[:, seen], k, v, None if bias is None else bias[seen])
     assert got is not None and got.shape == q.shape and got.dtype == torch.bfloat16
-    assert _error(got, want) <= min(1.1 * _error(torch_form, want), 2 ** -8)
+    assert _error(got[:, seen], want[:, seen]) <= min(1.1 * _error(torch_form, want[:, seen]), 2 ** -8)
     if biased:
         assert torch.equal(got[:, 0], torch.zeros_like(got[:, 0]))
 
@@ -100,6 +103,7 @@ def test_a_nan_among_a_rows_logits_makes_that_row_nan_as_torchs_softmax_does():
 
 
 @needs_attention
+@pytest.mark.usefixtures("attention_on_the_kernel")
 def test_a_small_bf16_policy_gives_the_kernel_its_decoder_and_tower_attention():
     from vla_node.model.config import preset
     from vla_node.model.vla import build_vla
@@ -155,6 +159,7 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 
 @needs_attention
+@pytest.mark.usefixtures("attention_on_the_kernel")
 def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_without_it(monkeypatch):
     """MultiRatePolicy at bf16 (tiny: head_dim 16, the tower's 8: its attention stays torch's) over three frames with
     a tick each, its tick prefix and gathered frame attention on the kernel, then on torch's form: logits as near the

@@ -1,6 +1,6 @@
 """The bf16 linear kernel (backends/cpu_kernels.c, AVX512-BF16): against fp64 as near as oneDNN's primitive on its
 prepacked weight at the node's shapes, every fused op rounded once, rows read as they lie, bad inputs named, and the
-packed weights choosing it only where it pays (no AMX, at most two threads)."""
+packed weights choosing it only where it pays (no AMX, or the kernel on AMX tiles itself; at most two threads)."""
 
 import pytest
 import torch
@@ -101,9 +101,10 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 
 @needs_linear
-def test_packed_weights_take_the_kernel_without_amx_on_up_to_two_threads_and_onednn_otherwise(monkeypatch):
+def test_packed_weights_take_the_kernel_without_amx_or_on_its_tiles_on_up_to_two_threads_and_onednn_otherwise(
+        monkeypatch):
     linear = torch.nn.Linear(64, 40).bfloat16().requires_grad_(False)
-    assert packed_weights.kernel_matmuls()  # this process: no AMX asked
+    assert packed_weights.kernel_matmuls()  # this process: oneDNN without AMX, or the kernel on AMX tiles itself
     assert packed_weights.PackedLinear(linear).matmul.kernel
     odd = torch.nn.Linear(63, 40).bfloat16().requires_grad_(False)
     assert not packed_weights.PackedLinear(odd).matmul.kernel  # K odd: oneDNN for that one weight
@@ -115,7 +116,10 @@ def test_packed_weights_take_the_kernel_without_amx_on_up_to_two_threads_and_one
     finally:
         torch.set_num_threads(1)
     monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)
-    assert not packed_weights.kernel_matmuls()
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda: True)
+    assert packed_weights.kernel_matmuls()  # the kernel's own tiles: as fast as oneDNN's AMX or faster
+    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda: False)
+    assert not packed_weights.kernel_matmuls()  # oneDNN's AMX beats the vector kernel
     onednn, step = packed_weights.PackedLinear(linear), packed_weights.bucket_step()
     monkeypatch.undo()
     assert not onednn.matmul.kernel and onednn._rows.step == step
@@ -144,3 +148,35 @@ def test_a_packed_model_on_the_kernel_compiles_nothing_at_warm_up_and_decodes_as
     _, on_onednn = tiny_tick_logits(packed_weights.use_packed_weights(build_vla(config, seed=2).bfloat16()),
                                     torch.bfloat16)
     assert logits_error(on_kernel, reference) <= max(1.25 * logits_error(on_onednn, reference), 1e-3)
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_linear(),
+                               reason="the linear kernel does not run on AMX tiles here (a CPU with AMX-BF16 and a "
+                                      f"kernel that grants them; {cpu_kernels.status()}; {cpu_features.describe()})")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 196])
+@pytest.mark.parametrize("k, n", [(4, 58), (48, 40), (512, 768), (588, 96)])
+def test_on_amx_tiles_the_kernel_is_as_near_fp64_as_its_vector_path_and_a_bf16_step_from_it(rows, k, n):
+    """Blocks of 16 rows and the rest, k by 32 on the tiles and the rest by vector (k = 4, 48, 588), a tail of
+    columns: every op with a bias within a bf16 step of the vector path (another summation order) and as near fp64;
+    the switch back gives the vector path's bits again."""
+    lib = cpu_kernels.library()
+    x, weight, bias, other = linear_inputs(rows, k, n, seed=rows + k)
+    packed = cpu_kernels.pack_linear(weight)
+    for op in OPS:
+        want = OPS[op](x.double() @ weight.double().T + bias.double(), other.double())
+        run = lambda: cpu_kernels.linear(x, packed, n, bias.float(), op, other if op == "mul" else None)  # noqa: E731
+        with torch.inference_mode():
+            tiles = run()
+            lib.linear_amx(0)
+            try:
+                vector = run()
+            finally:
+                lib.linear_amx(1)
+            assert torch.equal(run(), tiles)
+        if k == 512 and rows >= 40:  # 512 products a value, summed in two orders: some land a rounding apart
+            assert not torch.equal(tiles, vector), "the switch did not change the path"
+        assert_within(tiles.float(), vector.float(), bf16_ulp(vector), f"tiles against the vector path ({op})")
+        assert relative_error(tiles, want) <= max(1.1 * relative_error(vector, want), 2 ** -9), op

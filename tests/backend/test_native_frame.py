@@ -19,7 +19,7 @@ from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reuse import ReuseConfig
 from vla_node.runtime.stages import StageAborted
 
-pytestmark = needs_native_layers
+pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_kernel")]
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]

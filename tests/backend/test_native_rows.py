@@ -16,7 +16,7 @@ from vla_node.model.config import preset
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.stages import StageAborted
 
-pytestmark = needs_native_layers
+pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_kernel")]
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 

@@ -16,7 +16,7 @@ from vla_node.model.vla import build_vla
 from vla_node.runtime.policy import MultiRatePolicy
 from vla_node.runtime.reuse import ReuseConfig
 
-pytestmark = needs_native_layers
+pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_kernel")]
 
 CONFIG = preset("tiny").replace(image_size=64, vision_width=64, vision_heads=4)  # 16 tokens; tower head_dim 16
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
@@ -98,10 +98,11 @@ def test_bench_names_the_native_layers_that_run_and_refuses_a_name_they_do_not_m
     assert "the tick with fresh states whole in one C call" in name
     policy = per_frame.eager_policy(config)
     assert (policy.native_tick, policy.native_whole_tick, policy.native_frame, policy.native_tower) == (True,) * 4
+    build = native_tick.NativeTick.__dict__["build"]
     monkeypatch.setattr(native_tick.NativeTick, "build", classmethod(lambda cls, *args: None))
     with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'whole tick': False, 'tower': True, "):
         per_frame.eager_policy(config)
-    monkeypatch.undo()
+    monkeypatch.setattr(native_tick.NativeTick, "build", build)  # (undo() would undo attention_on_the_kernel too)
     monkeypatch.setattr(native_tower.NativeTower, "build", classmethod(lambda cls, tower: None))
     with pytest.raises(RuntimeError, match=r"native layers \{'tick': True, 'whole tick': True, 'tower': False, "
                                            r"'reuse frame': True\}"):

@@ -547,6 +547,7 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
              int64_t threads)
 #define PACK_LINEAR_S8_SIGNATURE(NAME, T) \
     int NAME(const T *w, int64_t n, int64_t k, int8_t *packed, float *scale, int32_t *sums)
+int vla_linear_amx(int use);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
@@ -887,6 +888,7 @@ struct linear_call {
     int64_t kp;
     const float *row_scale;
     int64_t row_parts; /* the bf16 linear's (linear_row_parts) */
+    int amx;           /* the bf16 linear's: on AMX tiles (linear_amx_range) */
 };
 
 /* Column tiles [first, last) of the call's rows [row0, row0 + m). */
@@ -932,6 +934,119 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same linear on AMX tiles, where the CPU has them and the kernel lets this process use them: a 16 x 16 fp32
+ * accumulator tile per vector of a column tile (tmm0-2), a block of up to 16 rows x 32 values of x (tmm3) and the
+ * weight's 16 pairs of k x 16 columns (tmm4-6) as they lie in the packed tile: vla_pack_linear_bf16's [k / 2][cols][2]
+ * is the VNNI layout the tile product reads, a row of pairs every `vectors` * 64 bytes. k past the last multiple of
+ * 32 goes through the vector product (linear_block's) on the stored accumulators, then the bias, the op and one
+ * rounding as linear_block. The tiles sum a row's products in another order than the vector kernel: within a bf16
+ * step of it, not its bits; every caller (the native layers included) takes the same path, so they agree with each
+ * other. An Intel Xeon with AMX (2 vCPU), us, two threads, against the vector kernel: see cpu_kernels.py's `linear`. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_use = 1; /* vla_linear_amx's switch */
+static int amx_state;   /* 0 not asked yet, 1 granted, -1 refused (the kernel's XTILEDATA permission) */
+
+static int amx_granted(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) { /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction is SIGILL */
+        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+static void amx_configure(int rows) { /* tmm0-2 accumulators and tmm3 x: `rows` rows; tmm4-6 weights: 16 pairs */
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = t < 4 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline __attribute__((always_inline)) void linear_amx_block(
+        const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
+        const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, int rows, const int vectors) {
+    float acc[AMX_ROWS * LINEAR_TILE] __attribute__((aligned(64))); /* [rows][vectors * VL] */
+    const int64_t tiled = k / 32 * 32, stride = vectors * 64;      /* values by the tiles; bytes a pair of k */
+    _tile_zero(0);
+    if (vectors > 1) _tile_zero(1);
+    if (vectors > 2) _tile_zero(2);
+    for (int64_t k0 = 0; k0 < tiled; k0 += 32) {
+        const uint16_t *w = tile + k0 / 2 * vectors * 2 * VL;
+        _tile_loadd(3, x + k0, ldx * 2);
+        _tile_loadd(4, w, stride);
+        _tile_dpbf16ps(0, 3, 4);
+        if (vectors > 1) {
+            _tile_loadd(5, w + 2 * VL, stride);
+            _tile_dpbf16ps(1, 3, 5);
+        }
+        if (vectors > 2) {
+            _tile_loadd(6, w + 4 * VL, stride);
+            _tile_dpbf16ps(2, 3, 6);
+        }
+    }
+    _tile_stored(0, acc, LINEAR_TILE * 4);
+    if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
+    if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) {
+            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
+            __m512 s = _mm512_load_ps(acc + r * LINEAR_TILE + v * VL);
+            for (int64_t p = tiled / 2; p < k / 2; p++) {
+                int32_t pair;
+                memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_set1_epi32(pair),
+                                     (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL));
+            }
+            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(lanes, bias + v * VL));
+            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
+            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+
+/* linear_bf16_range on the tiles: blocks of 16 rows (the last the rest) down each column tile. */
+static void linear_amx_range(const struct linear_call *call, int64_t row0, int64_t m, int64_t first, int64_t last) {
+    const uint16_t *x = call->x + row0 * call->ldx, *packed = call->packed;
+    const uint16_t *other = call->other ? call->other + row0 * call->ldo : NULL;
+    const int64_t ldx = call->ldx, k = call->k, ldo = call->ldo, ldy = call->ldy;
+    const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
+    uint16_t *y = call->y + row0 * ldy;
+    int configured = 0; /* the rows the tiles are configured for (0: none yet) */
+    for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
+        const int vectors = (int)((cols + VL - 1) / VL);
+        const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
+        const uint16_t *tile = packed + n0 * k;
+        const float *b = call->bias ? call->bias + n0 : NULL;
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+            const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
+            if (rows != configured) amx_configure(configured = rows);
+            const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
+            uint16_t *out = y + r0 * ldy + n0;
+            if (vectors == 3)
+                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 3);
+            else if (vectors == 2)
+                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 2);
+            else
+                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 1);
+        }
+    }
+    if (configured) _tile_release();
+}
+#endif
+
 /* Items [first, last) of the call's row_parts * tiles (row part, column tile) pairs, row part by row part. */
 static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
     const struct linear_call *call = arg;
@@ -940,6 +1055,12 @@ static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
         const int64_t row0 = call->m * part / parts, rows = call->m * (part + 1) / parts - row0;
         const int64_t from = first > part * tiles ? first - part * tiles : 0;
         const int64_t to = last < (part + 1) * tiles ? last - part * tiles : tiles;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (call->amx) {
+            linear_amx_range(call, row0, rows, from, to);
+            continue;
+        }
+#endif
         linear_bf16_range(call, row0, rows, from, to);
     }
 }
@@ -958,7 +1079,8 @@ LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
     const int64_t parts = linear_row_parts(m, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
-                                     .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts};
+                                     .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts,
+                                     .amx = vla_linear_amx(-1) == 1};
     run_parts(linear_bf16_tiles, &call, parts * tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 }
@@ -1169,6 +1291,19 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
     return -2;
 }
 #endif
+
+/* Whether the bf16 linear runs on AMX tiles here: 1 where it was built with them, the kernel grants this process
+ * their registers and it is not switched off; `use` 0 or 1 switches it off or back on (for comparisons), -1 asks. */
+int vla_linear_amx(int use) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+        defined(__AVX512VL__)
+    if (use == 0 || use == 1) amx_use = use;
+    return amx_use && amx_granted();
+#else
+    (void)use;
+    return 0;
+#endif
+}
 
 ATTENTION_SIGNATURE(vla_attention_f32, float) {
     return -2;

@@ -12,11 +12,12 @@ about 0.6 and 0.2 ms (a warm reuse frame about 4% faster, the same bits). The de
 (kv/attention.buffer_attention: two batched matmuls, the logits converted, scaled, biased, a softmax, converted back,
 its output transposed for the output projection), and the tower's is a fifth (model/vision.softmax_attention, the
 same unmasked): on a CPU with AVX512-BF16 `attention` does either in one call, its products on the bf16 dot-product
-instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`). The last is the
-linear layer's matmul itself, on the same instruction, where oneDNN has no AMX to run (`linear`; the packed weights
-take it: backends/packed_weights.kernel_matmuls), and, for `weights = "int8"`, on the byte dot-product instruction
-(`linear_int8`, AVX512-VNNI: the weights quantized per output column, each row of activations as it comes; twice the
-bf16 instruction's products a cycle on a Zen 4, about 1.8x the bf16 kernel's speed at the node's shapes).
+instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`). The last is the linear
+layer's matmul itself, on the same instruction where oneDNN has no AMX to run, and on AMX tiles where the CPU has them
+(`linear`, `amx_linear`; the packed weights take it: backends/packed_weights.kernel_matmuls), and, for `weights =
+"int8"`, on the byte dot-product instruction (`linear_int8`, AVX512-VNNI: the weights quantized per output column, each
+row of activations as it comes; twice the bf16 instruction's products a cycle on a Zen 4, about 1.8x the bf16 kernel's
+speed at the node's shapes).
 
 Threads: the linear kernels split a call's columns, the attention its kv heads, among torch.get_num_threads()
 threads (a call of fewer than 2^21 multiply-adds runs on one), on torch's own OpenMP threads: where torch runs on
@@ -121,6 +122,7 @@ class Kernels(NamedTuple):
     tick_head: dict[torch.dtype, Callable]  # the action head on the query rows (native_tick.py); the same
     tick_rows: dict[torch.dtype, Callable]  # the action tick whole (native_tick.py); the same, -3 where stopped
     parts: Callable  # parts(items, threads): the parts a threaded call runs in (1 where built without OpenMP)
+    linear_amx: Callable  # linear_amx(use): 1 where the bf16 linear runs on AMX tiles; use 0/1 switches, -1 asks
     path: Path
 
 
@@ -245,11 +247,12 @@ def load(path: Path) -> Kernels:
                 raise OSError(f"{path.name} has no vla_{name}_{kind}") from error
             function.argtypes = argtypes
     try:
-        parts = loaded.vla_parts
+        parts, linear_amx = loaded.vla_parts, loaded.vla_linear_amx
     except AttributeError as error:
-        raise OSError(f"{path.name} has no vla_parts") from error
+        raise OSError(f"{path.name} lacks {error.name}") from error
     parts.argtypes = [_I, _I]
-    return Kernels(**functions, parts=parts, path=path)
+    linear_amx.argtypes, linear_amx.restype = [ctypes.c_int], ctypes.c_int
+    return Kernels(**functions, parts=parts, linear_amx=linear_amx, path=path)
 
 
 def kernels_switched_off() -> bool:
@@ -538,6 +541,13 @@ def linear_kernel() -> bool:
     return lib is not None and _pack_linear(lib, torch.zeros(16, 2, dtype=torch.bfloat16)) is not None
 
 
+def amx_linear() -> bool:
+    """Whether the bf16 linear kernel runs on AMX tiles here (built with AMX-BF16, the Linux kernel grants this
+    process the tile registers): then it beats oneDNN's AMX primitive too (see `linear`)."""
+    lib = library()
+    return lib is not None and linear_kernel() and lib.linear_amx(-1) == 1
+
+
 def linear_fits(weight: torch.Tensor) -> bool:
     """Whether the linear kernel takes this weight: bf16 [N, K] with K even (it reads x's values in pairs)."""
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
@@ -561,7 +571,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     LINEAR_OPS ('mul': times `other`, bf16 [..., N]); returns bf16 [..., N], every sum fp32 and rounded once.
     One thread, us against oneDNN on its prepacked weight (AVX512-BF16 EPYC, Zen 5), weights in cache / just read
     from memory: a tick's 17 rows x 512 -> 1536 61 / 104 against 73 / 166, 1536 -> 512 57 / 104 against 72 / 227,
-    512 -> 512 22 / 61 against 35 / 132; 80 rows 253 against 277; 196 rows 651 against 669."""
+    512 -> 512 22 / 61 against 35 / 132; 80 rows 253 against 277; 196 rows 651 against 669.
+    On AMX tiles (amx_linear), an Intel Xeon with AMX (family 6 model 207, 2 vCPU), two threads, us against oneDNN's
+    AMX primitive on its prepacked weight and the kernel's own vector path: 17 rows x 512 -> 1536 61 against 81 and
+    197; 1536 -> 512 55 against 78 and 208; 80 rows x 512 -> 1536 137 against 143 and 880; 196 x 384 -> 1152 209
+    against 195 and 1215; 196 x 1536 -> 384 243 against 495 and 1571; 216 x 512 -> 128 28 against 80 and 199."""
     lib = library()
     k = packed.numel() // (-(-out_features // 16) * 16)  # the packed weight's [N rounded up to 16, K]
     _check_operands(lib, "linear kernel", k, out_features, op, x, bias, other)

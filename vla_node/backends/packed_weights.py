@@ -33,13 +33,13 @@ each promotion compiled a kernel per matmul shape in the frame that ran it (200 
 policy, five runs each: p95 43.7 against 40.1 ms, p99 48.6 against 45.1 ms, the median 36.6 against 36.0 ms). A padded
 row's result is dropped (rows are independent).
 
-Where the fused CPU kernels' bf16 linear runs (`kernel_matmuls`: built with AVX512-BF16, oneDNN not on AMX, at most
-two threads), each weight is packed for it instead (PackedMatmul) and none of the above applies: it compiles nothing per
-row count, so nothing is padded or warmed. oneDNN's kernel for a tick's 17 rows reached about 70% of its rate at 196
-rows, and about half of it with the weights coming from memory, as a tick's do (48 MB of decoder weights cycle
-through a 32 MB L3); the kernel keeps its rate at every row count and prefetches the weight stream. A Zen 5 EPYC,
-one thread, 8 layers of `small`'s tick matmuls in turn (their weights from memory): 2.16 ms against oneDNN's 3.46
-(17 rows), 1.16 against 2.25 (1 row), 8.26 against 9.71 (80 rows), 19.3 against 20.3 (196 rows).
+Where the fused CPU kernels' bf16 linear runs (`kernel_matmuls`: built with AVX512-BF16, oneDNN not on AMX or the kernel
+on AMX tiles itself, at most two threads), each weight is packed for it instead (PackedMatmul) and none of the above
+applies: it compiles nothing per row count, so nothing is padded or warmed. oneDNN's kernel for a tick's 17 rows reached
+about 70% of its rate at 196 rows, and about half of it with the weights coming from memory, as a tick's do (48 MB of
+decoder weights cycle through a 32 MB L3); the kernel keeps its rate at every row count and prefetches the weight
+stream. A Zen 5 EPYC, one thread, 8 layers of `small`'s tick matmuls in turn (their weights from memory): 2.16 ms
+against oneDNN's 3.46 (17 rows), 1.16 against 2.25 (1 row), 8.26 against 9.71 (80 rows), 19.3 against 20.3 (196 rows).
 
 With `int8` (`weights = "int8"`), every weight whose K is a multiple of 4 is quantized per output column for the
 kernels' int8 linear (cpu_kernels.linear_int8: each row of activations quantized as it comes, the products summed
@@ -111,14 +111,16 @@ def bucket_step() -> int:
 
 def kernel_matmuls() -> bool:
     """Whether a weight packed now runs on cpu_kernels' bf16 linear kernel rather than oneDNN: where the kernel is
-    built (AVX512-BF16), oneDNN would not run AMX (its tiles are the faster path there) and the process has at most
+    built (AVX512-BF16), oneDNN would not run AMX (its tiles beat the vector kernel) or the kernel runs on AMX tiles
+    itself (cpu_kernels.amx_linear: as fast as oneDNN's or faster at every shape of `small`; on an AMX Xeon's two
+    threads, a warm clip frame 28.3 against 30.5 ms, alternating in one process) and the process has at most
     KERNEL_MAX_THREADS intra-op threads, among which the kernel splits its column tiles (two threads of a Zen 4 EPYC:
     a warm reuse frame of `small` 30.8 ms against 36.0 ms on oneDNN's threaded primitive with its rows padded; more
     threads are unmeasured, and oneDNN, which splits rows too, keeps them).
     One thread on a Zen 5 EPYC, us, kernel against oneDNN: a tick's 17 rows x 512 -> 1536 61 against 73 with the
     weight in cache, 104 against 166 just read from memory (1536 -> 512: 57 / 104 against 72 / 227); a frame's 80
     and 196 rows 3 to 10% faster."""
-    return (cpu_kernels.linear_kernel() and not cpu_features.onednn_runs_amx()
+    return (cpu_kernels.linear_kernel() and (cpu_kernels.amx_linear() or not cpu_features.onednn_runs_amx())
             and torch.get_num_threads() <= KERNEL_MAX_THREADS)
 
 

@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import load_model
 from vla_node.backends.packed_weights import bucket_step, int8_weights_available, kernel_matmuls
 from vla_node.bench.floor import FloorSampler
@@ -115,8 +116,8 @@ def path_name(config: NodeConfig) -> str:
     elif any(attention_kernels(model, dtype, device)):
         parts.append("attention on the AVX512-BF16 kernel")
     if s.weight_format == "packed":
-        parts.append("matmuls on the AVX512-BF16 linear kernel" if kernel_matmuls() else
-                     f"rows padded to {bucket_step()}")
+        on = "the AMX linear kernel" if cpu_kernels.amx_linear() else "the AVX512-BF16 linear kernel"
+        parts.append(f"matmuls on {on}" if kernel_matmuls() else f"rows padded to {bucket_step()}")
         decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
         if kernel_matmuls() and decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
