@@ -65,8 +65,9 @@ class ModelSection:
     instruction: str = "keep the lane and follow traffic"  # used until the first instruction arrives
     vision_frames: int | None = None  # frames kept in the vision memory; None: the model's (positions only)
     # the eager policy's action tick as one compiled call (TickStep by AOTInductor, kept in engines_dir, compiled at
-    # start where missing): on | off | auto (on with packed weights on an AMX CPU, where it measured faster; the fp32
-    # tick with fp16 weights measured slower compiled: the compiled step reads fp32 weights). Bins head, backend torch
+    # start where missing): on | off | auto (on with packed weights where oneDNN runs AMX and the CPU kernels do not,
+    # where it measured faster; the fp32 tick with fp16 weights measured slower compiled: the compiled step reads fp32
+    # weights). Bins head, backend torch
     compiled_tick: str = "off"
 
     def __post_init__(self) -> None:
@@ -160,14 +161,17 @@ class ModelSection:
     @property
     def resolved_compiled_tick(self) -> bool:
         """Whether the eager policy (backend torch) runs its tick compiled: compiled_tick 'on', or 'auto' with the bins
-        head and packed weights on a CPU whose bf16 matmuls run on AMX tiles (where it was measured faster)."""
+        head and packed weights on a CPU whose bf16 matmuls run on oneDNN's AMX tiles (where it was measured faster),
+        unless the fused CPU kernels run on AMX tiles themselves: their tick whole in one C call (backends/native_tick)
+        measured faster still (an AMX Xeon's two threads, a tick after each clip frame: 3.13 against 4.93 ms)."""
         if self.compiled_tick != "auto":
             return self.compiled_tick == "on"
         if self.weight_format != "packed" or self.model_config().action_head != "bins":
             return False
+        from vla_node.backends import cpu_kernels
         from vla_node.backends.cpu_features import onednn_runs_amx
 
-        return onednn_runs_amx()
+        return onednn_runs_amx() and not cpu_kernels.amx_tiles()
 
     def model_config(self) -> ModelConfig:
         if self.checkpoint is not None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.paths import TEST_LAUNCH_DIR
-from vla_node.backends import inductor_engine
+from vla_node.backends import cpu_features, cpu_kernels, inductor_engine
 from vla_node.backends.cpu_features import onednn_runs_amx
 from vla_node.backends.inductor_engine import InductorEngine, inductor_problem, layout
 from vla_node.backends.packed_weights import packed_weights_available
@@ -155,10 +155,11 @@ def tiny_config(tmp_path, *overrides: str):
 
 @pytest.mark.skipif(not (packed_weights_available() and onednn_runs_amx()),
                     reason="compiled_tick 'auto' compiles where packed bf16 weights run on AMX")
-def test_the_node_path_compiles_its_tick_where_weights_are_packed(tmp_path):
+def test_the_node_path_compiles_its_tick_where_weights_are_packed(tmp_path, monkeypatch):
     """launch: dtype auto, weights auto, compiled_tick auto, as launch/cpu.toml: the tick compiled with the shipped
     options, the choice says so; its chunks within bf16 rounding of the eager tick's (logits 2e-2 relative, bins 90%
-    the same)."""
+    the same). As where the CPU kernels do not run on AMX tiles themselves (where they do, auto keeps their tick)."""
+    monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda: False)
     auto = ("model.dtype=auto", "model.weights=auto")
     compiled, _, choice = build_policies(tiny_config(tmp_path, *auto, "model.compiled_tick=auto"))
     eager, _, eager_choice = build_policies(tiny_config(tmp_path, *auto, "model.compiled_tick=off"))
@@ -204,6 +205,16 @@ def test_compiled_tick_resolves_falls_back_and_fails_as_the_launch_file_says(tmp
     monkeypatch.setattr(inductor_engine.shutil, "which", lambda name: None)  # no C++ compiler
     with pytest.raises(ConfigError, match=r"compiled_tick = 'on': no C\+\+ compiler"):
         build_policies(tiny_config(tmp_path, "model.compiled_tick=on"))
+    if packed_weights_available():  # auto: compiled where oneDNN runs AMX, unless the CPU kernels run on AMX tiles
+        packed = tiny_config(tmp_path, "model.compiled_tick=auto", "model.dtype=bf16", "model.weights=packed").model
+        monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)
+        monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda: True)
+        assert not packed.resolved_compiled_tick  # their tick whole in one C call measured faster
+        monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda: False)
+        assert packed.resolved_compiled_tick
+        monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: False)
+        assert not packed.resolved_compiled_tick
+        monkeypatch.setattr(cpu_features, "onednn_runs_amx", onednn_runs_amx)
     if packed_weights_available() and onednn_runs_amx():  # 'auto' where it would compile: a warning, eager tick
         with caplog.at_level(logging.WARNING):
             p, _, choice = build_policies(tiny_config(tmp_path, "model.compiled_tick=auto", "model.dtype=bf16",

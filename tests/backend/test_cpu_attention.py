@@ -6,6 +6,7 @@ the policies using it."""
 import pytest
 import torch
 
+from helpers.numerics import assert_within, bf16_ulp
 from vla_node.backends import cpu_features, cpu_kernels
 from vla_node.kv.attention import buffer_attention, dense_attention
 
@@ -187,3 +188,31 @@ def test_a_bf16_policy_with_the_kernel_decodes_as_near_the_fp32_reference_as_wit
         return logits_error(logits, reference)
 
     assert error(with_kernel) < 2e-2 and error(with_kernel) <= 1.5 * error(with_torch)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_tiles(),
+                    reason="the kernels do not run on AMX tiles here (a CPU with AMX-BF16 and a Linux kernel that "
+                           f"grants them; {cpu_kernels.status()}; {cpu_features.describe()})")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_on_amx_tiles_it_is_as_near_fp64_as_its_vector_path_and_within_a_rounding_of_it(shape):
+    """Head dims a multiple of 32 on the tiles (80, 16: the vector path, the same bits), blocks of 16 rows and the
+    rest, keys past a block: as near fp64 as the vector path, within a bf16 step of it, the empty row zeros; the
+    switch back gives the vector path's bits."""
+    lib = cpu_kernels.library()
+    q, k, v, bias = _inputs(*shape, seed=5)
+    with torch.inference_mode():
+        want = dense_attention(q.double(), k.double(), v.double(), None, bias.double()).nan_to_num(0.0)
+        tiles = cpu_kernels.attention(q, k, v, bias).clone()  # (a view of the kernel's output)
+        lib.amx(0)
+        try:
+            vector = cpu_kernels.attention(q, k, v, bias).clone()
+        finally:
+            lib.amx(1)
+    if shape[4] % 32:
+        assert torch.equal(tiles, vector)
+        return
+    if shape[2] >= 17:  # a few hundred products a value, summed in two orders: some land a rounding apart
+        assert not torch.equal(tiles, vector), "the switch did not change the path"
+    assert_within(tiles.float(), vector.float(), bf16_ulp(vector), "tiles against the vector path")
+    assert _error(tiles, want) <= max(1.1 * _error(vector, want), 2 ** -9)
+    assert torch.equal(tiles[:, 0], torch.zeros_like(tiles[:, 0]))

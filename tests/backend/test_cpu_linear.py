@@ -116,9 +116,9 @@ def test_packed_weights_take_the_kernel_without_amx_or_on_its_tiles_on_up_to_two
     finally:
         torch.set_num_threads(1)
     monkeypatch.setattr(cpu_features, "onednn_runs_amx", lambda: True)
-    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda: True)
     assert packed_weights.kernel_matmuls()  # the kernel's own tiles: as fast as oneDNN's AMX or faster
-    monkeypatch.setattr(cpu_kernels, "amx_linear", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda: False)
     assert not packed_weights.kernel_matmuls()  # oneDNN's AMX beats the vector kernel
     onednn, step = packed_weights.PackedLinear(linear), packed_weights.bucket_step()
     monkeypatch.undo()
@@ -150,7 +150,7 @@ def test_a_packed_model_on_the_kernel_compiles_nothing_at_warm_up_and_decodes_as
     assert logits_error(on_kernel, reference) <= max(1.25 * logits_error(on_onednn, reference), 1e-3)
 
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.amx_linear(),
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_tiles(),
                                reason="the linear kernel does not run on AMX tiles here (a CPU with AMX-BF16 and a "
                                       f"kernel that grants them; {cpu_kernels.status()}; {cpu_features.describe()})")
 
@@ -170,11 +170,11 @@ def test_on_amx_tiles_the_kernel_is_as_near_fp64_as_its_vector_path_and_a_bf16_s
         run = lambda: cpu_kernels.linear(x, packed, n, bias.float(), op, other if op == "mul" else None)  # noqa: E731
         with torch.inference_mode():
             tiles = run()
-            lib.linear_amx(0)
+            lib.amx(0)
             try:
                 vector = run()
             finally:
-                lib.linear_amx(1)
+                lib.amx(1)
             assert torch.equal(run(), tiles)
         if k == 512 and rows >= 40:  # 512 products a value, summed in two orders: some land a rounding apart
             assert not torch.equal(tiles, vector), "the switch did not change the path"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.numerics import assert_same_bins, assert_within, bf16_ulp
+from vla_node.backends import cpu_kernels
 from vla_node.kv.cache_config import CacheConfig
 from vla_node.model.config import preset
 from vla_node.model.vision import fused_attention, softmax_attention
@@ -30,10 +31,12 @@ def test_the_towers_fused_attention_equals_softmax_attention(dtype, tol, batch):
 
 
 def test_fused_attention_runs_only_where_it_measured_faster(monkeypatch):
+    """SDPA where oneDNN runs AMX, unless the CPU kernels run on AMX tiles themselves (their attention then)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for amx in (True, False):
+    for amx, kernel_tiles in ((True, False), (False, False), (True, True), (False, True)):
         monkeypatch.setattr(policy_module, "onednn_runs_amx", lambda amx=amx: amx)
-        assert fused_attention_pays(torch.bfloat16, cpu) is amx
+        monkeypatch.setattr(cpu_kernels, "amx_tiles", lambda tiles=kernel_tiles: tiles)
+        assert fused_attention_pays(torch.bfloat16, cpu) is (amx and not kernel_tiles)
         assert not fused_attention_pays(torch.float32, cpu)  # fp32: the matmuls the parity tests pinned
         assert not fused_attention_pays(torch.bfloat16, cuda)
 

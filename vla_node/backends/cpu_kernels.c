@@ -547,12 +547,50 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
              int64_t threads)
 #define PACK_LINEAR_S8_SIGNATURE(NAME, T) \
     int NAME(const T *w, int64_t n, int64_t k, int8_t *packed, float *scale, int32_t *sums)
-int vla_linear_amx(int use);
+int vla_amx(int use);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
 #define KEY_BLOCK 32 /* keys per logit step: two vectors */
 #define ROW_BLOCK 12 /* query rows sharing each load of K and V (24 logit accumulators; 4, 8 and 16 ran slower) */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX tiles (the linear's and the attention's): the kernel's permission asked once a process, one configuration. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_use = 1; /* vla_amx's switch */
+static int amx_state;   /* 0 not asked yet, 1 granted, -1 refused (the kernel's XTILEDATA permission) */
+
+static int amx_granted(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) { /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction is SIGILL */
+        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* Every tile 64 bytes a row: tmm0-3 accumulators and tmm4 the left operand, `rows` rows; tmm5-7 the right
+ * operand, 16 rows of pairs (the linear's weights; the attention's K and V). */
+static void amx_configure(int rows) {
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = t < 5 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+#endif
 
 static _Thread_local char *attention_workspace;
 static _Thread_local size_t attention_capacity;
@@ -782,13 +820,127 @@ static void attention_heads(const void *arg, int64_t first, int64_t last) { /* k
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* attention_heads on AMX tiles, for a head_dim a multiple of 32: blocks of 16 query rows (rows past the block repeat
+ * its first, their results dropped); the logits of 32 keys at a time in two accumulator tiles over K's pairs as
+ * rearrange_keys lays them ([pairs][kp]: the tile product's right operand, 16 pairs x 16 keys a tile), scaled, biased
+ * and softmaxed as the vector path does (softmax_row); then P V in up to four accumulator tiles of 16 columns over V's
+ * interleaved row pairs (rearrange_values' [kp / 2][dim]: 16 pairs of keys x 16 columns a tile), rounded once to
+ * bf16. The tiles sum in another order than the vector path: within a rounding of it, not its bits. */
+static void attention_heads_amx(const void *arg, int64_t first, int64_t last) { /* kv heads [first, last) */
+    const struct attention_call *call = arg;
+    const uint16_t *q = call->q, *k = call->k, *v = call->v;
+    const int64_t q_head = call->q_head, q_row = call->q_row, kv_head = call->kv_head, kv_row = call->kv_row;
+    const float *bias = call->bias, scale = call->scale;
+    const int64_t bias_row = call->bias_row, heads = call->heads, kv_heads = call->kv_heads, rows = call->rows;
+    const int64_t keys = call->keys, dim = call->dim, out_head = call->out_head, out_row = call->out_row;
+    uint16_t *out = call->out;
+    const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2, group = heads / kv_heads;
+    const int64_t per_row = kp * 6 + pairs * 4 + dim * 4; /* a row's logits, p, q and P V sums */
+    char *work = attention_work((size_t)(pairs * kp * 4 + kp / 2 * dim * 4 + AMX_ROWS * per_row));
+    if (!work) {
+        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    uint32_t *kt = (uint32_t *)work;                     /* [pairs, kp] */
+    uint32_t *vp = kt + pairs * kp;                      /* [kp / 2, dim] */
+    float *logits = (float *)(vp + kp / 2 * dim);        /* [AMX_ROWS, kp] */
+    float *acc = logits + AMX_ROWS * kp;                 /* [AMX_ROWS, dim]: P V's sums */
+    uint16_t *p = (uint16_t *)(acc + AMX_ROWS * dim);    /* [AMX_ROWS, kp] bf16 */
+    uint32_t *qs = (uint32_t *)(p + AMX_ROWS * kp);      /* [AMX_ROWS, pairs] */
+    amx_configure(AMX_ROWS);
+    for (int64_t hk = first; hk < last; hk++) {
+        rearrange_keys(k + hk * kv_head, kv_row, keys, kp, pairs, kt);
+        rearrange_values(v + hk * kv_head, kv_row, keys, kp, dim, vp);
+        const int64_t n = group * rows; /* this kv head's query rows, (head, row) pairs in order */
+        for (int64_t i0 = 0; i0 < n; i0 += AMX_ROWS) {
+            const int64_t block = n - i0 < AMX_ROWS ? n - i0 : AMX_ROWS;
+            for (int64_t r = 0; r < AMX_ROWS; r++) {
+                const int64_t i = i0 + (r < block ? r : 0), h = hk * group + i / rows, t = i % rows;
+                memcpy(qs + r * pairs, q + h * q_head + t * q_row, (size_t)dim * 2);
+            }
+            for (int64_t jb = 0; jb < kp; jb += KEY_BLOCK) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t c0 = 0; c0 < pairs; c0 += 16) {
+                    _tile_loadd(4, qs + c0, pairs * 4);
+                    _tile_loadd(5, kt + c0 * kp + jb, kp * 4);
+                    _tile_loadd(6, kt + c0 * kp + jb + VL, kp * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                _tile_stored(0, logits + jb, kp * 4);
+                _tile_stored(1, logits + jb + VL, kp * 4);
+            }
+            for (int64_t r = 0; r < AMX_ROWS; r++) {
+                float *lr = logits + r * kp;
+                if (r >= block) {
+                    memset(p + r * kp, 0, (size_t)kp * 2);
+                    continue;
+                }
+                for (int64_t j = 0; j < kp; j += VL)
+                    _mm512_storeu_ps(lr + j, _mm512_mul_ps(_mm512_loadu_ps(lr + j), _mm512_set1_ps(scale)));
+                if (bias) {
+                    const float *br = bias + (i0 + r) % rows * bias_row;
+                    for (int64_t j = 0; j < keys; j++) lr[j] += br[j];
+                }
+                for (int64_t j = keys; j < kp; j++) lr[j] = -INFINITY;
+                softmax_row(lr, p + r * kp, kp);
+            }
+            for (int64_t c0 = 0; c0 < dim; c0 += 4 * VL) { /* 64 columns (or the last 32) a pass over the keys */
+                const int wide = dim - c0 >= 4 * VL;
+                _tile_zero(0);
+                _tile_zero(1);
+                if (wide) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int64_t j0 = 0; j0 < kp; j0 += KEY_BLOCK) {
+                    const uint32_t *w = vp + j0 / 2 * dim + c0;
+                    _tile_loadd(4, p + j0, kp * 2);
+                    _tile_loadd(5, w, dim * 4);
+                    _tile_loadd(6, w + VL, dim * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    if (wide) {
+                        _tile_loadd(7, w + 2 * VL, dim * 4);
+                        _tile_loadd(5, w + 3 * VL, dim * 4);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, acc + c0, dim * 4);
+                _tile_stored(1, acc + c0 + VL, dim * 4);
+                if (wide) {
+                    _tile_stored(2, acc + c0 + 2 * VL, dim * 4);
+                    _tile_stored(3, acc + c0 + 3 * VL, dim * 4);
+                }
+            }
+            for (int64_t r = 0; r < block; r++) {
+                const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
+                uint16_t *o = out + h * out_head + t * out_row;
+                for (int64_t c = 0; c < dim; c += VL) {
+                    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * dim + c));
+                    _mm256_storeu_si256((__m256i *)(o + c), rounded);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
     int failed = 0;
     const struct attention_call call = {.q = q, .k = k, .v = v, .q_head = q_head, .q_row = q_row, .kv_head = kv_head,
                                         .kv_row = kv_row, .bias = bias, .bias_row = bias_row, .heads = heads,
                                         .kv_heads = kv_heads, .rows = rows, .keys = keys, .dim = dim, .scale = scale,
                                         .out = out, .out_head = out_head, .out_row = out_row, .failed = &failed};
-    run_parts(attention_heads, &call, kv_heads, heads * rows * keys * dim * 2 >= THREADED_MIN_MACS ? threads : 1);
+    part_task heads_task = attention_heads;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (dim % 32 == 0 && vla_amx(-1) == 1) heads_task = attention_heads_amx;
+#endif
+    run_parts(heads_task, &call, kv_heads, heads * rows * keys * dim * 2 >= THREADED_MIN_MACS ? threads : 1);
     return failed ? -1 : 0;
 }
 
@@ -936,45 +1088,13 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* The same linear on AMX tiles, where the CPU has them and the kernel lets this process use them: a 16 x 16 fp32
- * accumulator tile per vector of a column tile (tmm0-2), a block of up to 16 rows x 32 values of x (tmm3) and the
- * weight's 16 pairs of k x 16 columns (tmm4-6) as they lie in the packed tile: vla_pack_linear_bf16's [k / 2][cols][2]
+ * accumulator tile per vector of a column tile (tmm0-2), a block of up to 16 rows x 32 values of x (tmm4) and the
+ * weight's 16 pairs of k x 16 columns (tmm5-7) as they lie in the packed tile: vla_pack_linear_bf16's [k / 2][cols][2]
  * is the VNNI layout the tile product reads, a row of pairs every `vectors` * 64 bytes. k past the last multiple of
  * 32 goes through the vector product (linear_block's) on the stored accumulators, then the bias, the op and one
  * rounding as linear_block. The tiles sum a row's products in another order than the vector kernel: within a bf16
  * step of it, not its bits; every caller (the native layers included) takes the same path, so they agree with each
  * other. An Intel Xeon with AMX (2 vCPU), us, two threads, against the vector kernel: see cpu_kernels.py's `linear`. */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX_ROWS 16
-struct amx_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static int amx_use = 1; /* vla_linear_amx's switch */
-static int amx_state;   /* 0 not asked yet, 1 granted, -1 refused (the kernel's XTILEDATA permission) */
-
-static int amx_granted(void) {
-    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (state == 0) { /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction is SIGILL */
-        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
-    }
-    return state > 0;
-}
-
-static void amx_configure(int rows) { /* tmm0-2 accumulators and tmm3 x: `rows` rows; tmm4-6 weights: 16 pairs */
-    struct amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = t < 4 ? (uint8_t)rows : 16;
-    }
-    _tile_loadconfig(&c);
-}
-
 static inline __attribute__((always_inline)) void linear_amx_block(
         const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
         const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, int rows, const int vectors) {
@@ -985,16 +1105,16 @@ static inline __attribute__((always_inline)) void linear_amx_block(
     if (vectors > 2) _tile_zero(2);
     for (int64_t k0 = 0; k0 < tiled; k0 += 32) {
         const uint16_t *w = tile + k0 / 2 * vectors * 2 * VL;
-        _tile_loadd(3, x + k0, ldx * 2);
-        _tile_loadd(4, w, stride);
-        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(4, x + k0, ldx * 2);
+        _tile_loadd(5, w, stride);
+        _tile_dpbf16ps(0, 4, 5);
         if (vectors > 1) {
-            _tile_loadd(5, w + 2 * VL, stride);
-            _tile_dpbf16ps(1, 3, 5);
+            _tile_loadd(6, w + 2 * VL, stride);
+            _tile_dpbf16ps(1, 4, 6);
         }
         if (vectors > 2) {
-            _tile_loadd(6, w + 4 * VL, stride);
-            _tile_dpbf16ps(2, 3, 6);
+            _tile_loadd(7, w + 4 * VL, stride);
+            _tile_dpbf16ps(2, 4, 7);
         }
     }
     _tile_stored(0, acc, LINEAR_TILE * 4);
@@ -1080,7 +1200,7 @@ LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     const int64_t parts = linear_row_parts(m, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
                                      .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts,
-                                     .amx = vla_linear_amx(-1) == 1};
+                                     .amx = vla_amx(-1) == 1};
     run_parts(linear_bf16_tiles, &call, parts * tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 }
@@ -1292,9 +1412,10 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
 }
 #endif
 
-/* Whether the bf16 linear runs on AMX tiles here: 1 where it was built with them, the kernel grants this process
- * their registers and it is not switched off; `use` 0 or 1 switches it off or back on (for comparisons), -1 asks. */
-int vla_linear_amx(int use) {
+/* Whether the bf16 linear and attention run on AMX tiles here: 1 where built with them, the kernel grants this
+ * process their registers and they are not switched off; `use` 0 or 1 switches them off or back on (for
+ * comparisons), -1 asks. */
+int vla_amx(int use) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
         defined(__AVX512VL__)
     if (use == 0 || use == 1) amx_use = use;

@@ -14,7 +14,7 @@ its output transposed for the output projection), and the tower's is a fifth (mo
 same unmasked): on a CPU with AVX512-BF16 `attention` does either in one call, its products on the bf16 dot-product
 instruction (`small` on a Zen 5 EPYC, one thread, alternating in one process: see `attention`). The last is the linear
 layer's matmul itself, on the same instruction where oneDNN has no AMX to run, and on AMX tiles where the CPU has them
-(`linear`, `amx_linear`; the packed weights take it: backends/packed_weights.kernel_matmuls), and, for `weights =
+(`linear`, `amx_tiles`; the packed weights take it: backends/packed_weights.kernel_matmuls), and, for `weights =
 "int8"`, on the byte dot-product instruction (`linear_int8`, AVX512-VNNI: the weights quantized per output column, each
 row of activations as it comes; twice the bf16 instruction's products a cycle on a Zen 4, about 1.8x the bf16 kernel's
 speed at the node's shapes).
@@ -122,7 +122,7 @@ class Kernels(NamedTuple):
     tick_head: dict[torch.dtype, Callable]  # the action head on the query rows (native_tick.py); the same
     tick_rows: dict[torch.dtype, Callable]  # the action tick whole (native_tick.py); the same, -3 where stopped
     parts: Callable  # parts(items, threads): the parts a threaded call runs in (1 where built without OpenMP)
-    linear_amx: Callable  # linear_amx(use): 1 where the bf16 linear runs on AMX tiles; use 0/1 switches, -1 asks
+    amx: Callable  # amx(use): 1 where the bf16 linear and attention run on AMX tiles; use 0/1 switches, -1 asks
     path: Path
 
 
@@ -247,12 +247,12 @@ def load(path: Path) -> Kernels:
                 raise OSError(f"{path.name} has no vla_{name}_{kind}") from error
             function.argtypes = argtypes
     try:
-        parts, linear_amx = loaded.vla_parts, loaded.vla_linear_amx
+        parts, amx = loaded.vla_parts, loaded.vla_amx
     except AttributeError as error:
         raise OSError(f"{path.name} lacks {error.name}") from error
     parts.argtypes = [_I, _I]
-    linear_amx.argtypes, linear_amx.restype = [ctypes.c_int], ctypes.c_int
-    return Kernels(**functions, parts=parts, linear_amx=linear_amx, path=path)
+    amx.argtypes, amx.restype = [ctypes.c_int], ctypes.c_int
+    return Kernels(**functions, parts=parts, amx=amx, path=path)
 
 
 def kernels_switched_off() -> bool:
@@ -541,11 +541,11 @@ def linear_kernel() -> bool:
     return lib is not None and _pack_linear(lib, torch.zeros(16, 2, dtype=torch.bfloat16)) is not None
 
 
-def amx_linear() -> bool:
-    """Whether the bf16 linear kernel runs on AMX tiles here (built with AMX-BF16, the Linux kernel grants this
-    process the tile registers): then it beats oneDNN's AMX primitive too (see `linear`)."""
+def amx_tiles() -> bool:
+    """Whether the bf16 linear and attention kernels run on AMX tiles here (built with AMX-BF16, the Linux kernel
+    grants this process the tile registers): then they beat oneDNN's AMX primitives too (see `linear`, `attention`)."""
     lib = library()
-    return lib is not None and linear_kernel() and lib.linear_amx(-1) == 1
+    return lib is not None and linear_kernel() and lib.amx(-1) == 1
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
@@ -572,7 +572,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     One thread, us against oneDNN on its prepacked weight (AVX512-BF16 EPYC, Zen 5), weights in cache / just read
     from memory: a tick's 17 rows x 512 -> 1536 61 / 104 against 73 / 166, 1536 -> 512 57 / 104 against 72 / 227,
     512 -> 512 22 / 61 against 35 / 132; 80 rows 253 against 277; 196 rows 651 against 669.
-    On AMX tiles (amx_linear), an Intel Xeon with AMX (family 6 model 207, 2 vCPU), two threads, us against oneDNN's
+    On AMX tiles (amx_tiles), an Intel Xeon with AMX (family 6 model 207, 2 vCPU), two threads, us against oneDNN's
     AMX primitive on its prepacked weight and the kernel's own vector path: 17 rows x 512 -> 1536 61 against 81 and
     197; 1536 -> 512 55 against 78 and 208; 80 rows x 512 -> 1536 137 against 143 and 880; 196 x 384 -> 1152 209
     against 195 and 1215; 196 x 1536 -> 384 243 against 495 and 1571; 216 x 512 -> 128 28 against 80 and 199."""
@@ -693,7 +693,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     (perf: Q K^T and P V about 60% of the time, the softmax about 20%, K and V's rearrangement about 10%); P V
     takes two column vectors per broadcast pair of P, 3 to 4% faster at a frame's rows (70 over 244: 261 us
     against 271) than one, the same bits. K's pairs are transposed 16 keys by 16 pairs in registers: the tower's 69
-    rows over 196 tokens 90 us against 97 with the scalar rearrangement (Zen 5), the same bits."""
+    rows over 196 tokens 90 us against 97 with the scalar rearrangement (Zen 5), the same bits.
+    On AMX tiles (amx_tiles; head_dim a multiple of 32), an Intel Xeon with AMX (family 6 model 207, 2 vCPU), two
+    threads, us against torch's SDPA with the same mask (oneDNN's AMX) and the kernel's own vector path: the tick's 17
+    rows over 272 keys 47 against 69 and 92; 80 rows over 244 118 against 139 and 307; 216 over 268 338 against 369
+    and 887; the tower's 196 tokens 266 against 280 and 601, its 70 rows 103 against 75 (SDPA's one win) and 170."""
     lib = library()
     heads, rows, dim = q.shape
     if (lib is None or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or q.device.type != "cpu"

@@ -112,7 +112,7 @@ def bucket_step() -> int:
 def kernel_matmuls() -> bool:
     """Whether a weight packed now runs on cpu_kernels' bf16 linear kernel rather than oneDNN: where the kernel is
     built (AVX512-BF16), oneDNN would not run AMX (its tiles beat the vector kernel) or the kernel runs on AMX tiles
-    itself (cpu_kernels.amx_linear: as fast as oneDNN's or faster at every shape of `small`; on an AMX Xeon's two
+    itself (cpu_kernels.amx_tiles: as fast as oneDNN's or faster at every shape of `small`; on an AMX Xeon's two
     threads, a warm clip frame 28.3 against 30.5 ms, alternating in one process) and the process has at most
     KERNEL_MAX_THREADS intra-op threads, among which the kernel splits its column tiles (two threads of a Zen 4 EPYC:
     a warm reuse frame of `small` 30.8 ms against 36.0 ms on oneDNN's threaded primitive with its rows padded; more
@@ -120,7 +120,7 @@ def kernel_matmuls() -> bool:
     One thread on a Zen 5 EPYC, us, kernel against oneDNN: a tick's 17 rows x 512 -> 1536 61 against 73 with the
     weight in cache, 104 against 166 just read from memory (1536 -> 512: 57 / 104 against 72 / 227); a frame's 80
     and 196 rows 3 to 10% faster."""
-    return (cpu_kernels.linear_kernel() and (cpu_kernels.amx_linear() or not cpu_features.onednn_runs_amx())
+    return (cpu_kernels.linear_kernel() and (cpu_kernels.amx_tiles() or not cpu_features.onednn_runs_amx())
             and torch.get_num_threads() <= KERNEL_MAX_THREADS)
 
 

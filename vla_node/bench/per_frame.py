@@ -111,13 +111,13 @@ def path_name(config: NodeConfig) -> str:
     s = config.model
     model, dtype, device = s.model_config(), dtype_named(s.resolved_dtype), torch.device(s.device)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
+    isa = "AMX" if cpu_kernels.amx_tiles() else "AVX512-BF16"
     if fused_attention_pays(dtype, device):
         parts.append("SDPA attention")
     elif any(attention_kernels(model, dtype, device)):
-        parts.append("attention on the AVX512-BF16 kernel")
+        parts.append(f"attention on the {isa} kernel")
     if s.weight_format == "packed":
-        on = "the AMX linear kernel" if cpu_kernels.amx_linear() else "the AVX512-BF16 linear kernel"
-        parts.append(f"matmuls on {on}" if kernel_matmuls() else f"rows padded to {bucket_step()}")
+        parts.append(f"matmuls on the {isa} linear kernel" if kernel_matmuls() else f"rows padded to {bucket_step()}")
         decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
         if kernel_matmuls() and decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")

@@ -69,8 +69,9 @@ def fused_attention_pays(dtype: torch.dtype, device: torch.device) -> bool:
     softmax: bf16 on a CPU whose oneDNN multiplies on AMX tiles, where the kernel's products run there (an Intel
     Xeon with AMX, one thread: the tower's attention over 196 tokens 1144 -> 300 us, the decoder's over 268 slots
     2232 -> 937 us for a full frame's rows, 140 -> 116 us for a tick's). Without AMX the matmuls measured about
-    twice as fast as SDPA (an AVX512-BF16 EPYC), and other devices keep the path their tests pinned."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_runs_amx()
+    twice as fast as SDPA (an AVX512-BF16 EPYC), and other devices keep the path their tests pinned. Where the fused CPU
+    kernels run on AMX tiles themselves (cpu_kernels.amx_tiles), their attention takes it instead."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_runs_amx() and not cpu_kernels.amx_tiles()
 
 
 def attention_kernels(config: ModelConfig, dtype: torch.dtype,
