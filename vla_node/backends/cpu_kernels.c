@@ -1194,13 +1194,24 @@ static int64_t linear_row_parts(int64_t m, int64_t tiles, int64_t threads) {
     return threads > 1 && tiles % threads && m >= threads * LINEAR_SPLIT_ROWS ? threads : 1;
 }
 
+/* On AMX tiles a block of 16 rows costs the same at any row count, so the threads split the rows only where that
+ * takes fewer block passes over the slowest thread's tiles than splitting the columns (a frame's K or V, 196 x 512
+ * -> 128: 3 tiles, 7 blocks each against 2 x 13). */
+static int64_t linear_amx_row_parts(int64_t m, int64_t tiles, int64_t threads) {
+    if (threads < 2) return 1;
+    const int64_t by_columns = (tiles + threads - 1) / threads * ((m + AMX_ROWS - 1) / AMX_ROWS);
+    const int64_t by_rows = tiles * (((m + threads - 1) / threads + AMX_ROWS - 1) / AMX_ROWS);
+    return by_rows < by_columns ? threads : 1;
+}
+
 LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     if (k % 2 || op < 0 || op > 3 || (op == 2 && !other)) return -1;
     const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
-    const int64_t parts = linear_row_parts(m, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
+    const int amx = vla_amx(-1) == 1, on = m * n * k >= THREADED_MIN_MACS ? (int)threads : 1;
+    const int64_t parts = amx ? linear_amx_row_parts(m, tiles, on) : linear_row_parts(m, tiles, on);
     const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
                                      .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts,
-                                     .amx = vla_amx(-1) == 1};
+                                     .amx = amx};
     run_parts(linear_bf16_tiles, &call, parts * tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 }
