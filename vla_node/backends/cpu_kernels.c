@@ -828,18 +828,13 @@ static void attention_heads(const void *arg, int64_t first, int64_t last) { /* k
  * interleaved row pairs (rearrange_values' [kp / 2][dim]: 16 pairs of keys x 16 columns a tile), rounded once to
  * bf16. The tiles sum in another order than the vector path: within a rounding of it, not its bits. */
 static void attention_heads_amx(const void *arg, int64_t first, int64_t last) { /* kv heads [first, last) */
-    const struct attention_call *call = arg;
-    const uint16_t *q = call->q, *k = call->k, *v = call->v;
-    const int64_t q_head = call->q_head, q_row = call->q_row, kv_head = call->kv_head, kv_row = call->kv_row;
-    const float *bias = call->bias, scale = call->scale;
-    const int64_t bias_row = call->bias_row, heads = call->heads, kv_heads = call->kv_heads, rows = call->rows;
-    const int64_t keys = call->keys, dim = call->dim, out_head = call->out_head, out_row = call->out_row;
-    uint16_t *out = call->out;
-    const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2, group = heads / kv_heads;
+    const struct attention_call *c = arg;
+    const int64_t rows = c->rows, keys = c->keys, dim = c->dim, group = c->heads / c->kv_heads;
+    const int64_t kp = (keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, pairs = dim / 2;
     const int64_t per_row = kp * 6 + pairs * 4 + dim * 4; /* a row's logits, p, q and P V sums */
     char *work = attention_work((size_t)(pairs * kp * 4 + kp / 2 * dim * 4 + AMX_ROWS * per_row));
     if (!work) {
-        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(c->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     uint32_t *kt = (uint32_t *)work;                     /* [pairs, kp] */
@@ -850,14 +845,14 @@ static void attention_heads_amx(const void *arg, int64_t first, int64_t last) { 
     uint32_t *qs = (uint32_t *)(p + AMX_ROWS * kp);      /* [AMX_ROWS, pairs] */
     amx_configure(AMX_ROWS);
     for (int64_t hk = first; hk < last; hk++) {
-        rearrange_keys(k + hk * kv_head, kv_row, keys, kp, pairs, kt);
-        rearrange_values(v + hk * kv_head, kv_row, keys, kp, dim, vp);
+        rearrange_keys(c->k + hk * c->kv_head, c->kv_row, keys, kp, pairs, kt);
+        rearrange_values(c->v + hk * c->kv_head, c->kv_row, keys, kp, dim, vp);
         const int64_t n = group * rows; /* this kv head's query rows, (head, row) pairs in order */
         for (int64_t i0 = 0; i0 < n; i0 += AMX_ROWS) {
             const int64_t block = n - i0 < AMX_ROWS ? n - i0 : AMX_ROWS;
             for (int64_t r = 0; r < AMX_ROWS; r++) {
                 const int64_t i = i0 + (r < block ? r : 0), h = hk * group + i / rows, t = i % rows;
-                memcpy(qs + r * pairs, q + h * q_head + t * q_row, (size_t)dim * 2);
+                memcpy(qs + r * pairs, c->q + h * c->q_head + t * c->q_row, (size_t)dim * 2);
             }
             for (int64_t jb = 0; jb < kp; jb += KEY_BLOCK) {
                 _tile_zero(0);
@@ -879,9 +874,9 @@ static void attention_heads_amx(const void *arg, int64_t first, int64_t last) { 
                     continue;
                 }
                 for (int64_t j = 0; j < kp; j += VL)
-                    _mm512_storeu_ps(lr + j, _mm512_mul_ps(_mm512_loadu_ps(lr + j), _mm512_set1_ps(scale)));
-                if (bias) {
-                    const float *br = bias + (i0 + r) % rows * bias_row;
+                    _mm512_storeu_ps(lr + j, _mm512_mul_ps(_mm512_loadu_ps(lr + j), _mm512_set1_ps(c->scale)));
+                if (c->bias) {
+                    const float *br = c->bias + (i0 + r) % rows * c->bias_row;
                     for (int64_t j = 0; j < keys; j++) lr[j] += br[j];
                 }
                 for (int64_t j = keys; j < kp; j++) lr[j] = -INFINITY;
@@ -918,7 +913,7 @@ static void attention_heads_amx(const void *arg, int64_t first, int64_t last) { 
             }
             for (int64_t r = 0; r < block; r++) {
                 const int64_t i = i0 + r, h = hk * group + i / rows, t = i % rows;
-                uint16_t *o = out + h * out_head + t * out_row;
+                uint16_t *o = c->out + h * c->out_head + t * c->out_row;
                 for (int64_t c = 0; c < dim; c += VL) {
                     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * dim + c));
                     _mm256_storeu_si256((__m256i *)(o + c), rounded);
