@@ -101,6 +101,27 @@ def test_built_without_avx512_bf16_the_kernel_says_so_and_the_library_still_load
 
 
 @needs_linear
+def test_built_without_amx_the_kernels_run_on_their_vector_path(tmp_path):
+    """A build for an AVX512-BF16 CPU without AMX (a Zen 4 or 5 EPYC): it compiles and loads, says no tiles, and its
+    linear gives the vector path's bits."""
+    flags = (*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+    lib = cpu_kernels.load(cpu_kernels.build(cpu_kernels.compiler(), tmp_path, flags))
+    assert lib.amx(-1) == 0 and lib.amx(1) == 0
+    x, weight, _, _ = linear_inputs(40, 512, 96, seed=3)
+    packed = cpu_kernels._pack_linear(lib, weight)
+    assert packed is not None
+    theirs = cpu_kernels.library()
+    with torch.inference_mode():
+        got = cpu_kernels._linear(lib, x, packed, 96, None, "none", None)
+        theirs.amx(0)
+        try:
+            vector = cpu_kernels._linear(theirs, x, packed, 96, None, "none", None)
+        finally:
+            theirs.amx(1)
+    assert torch.equal(got, vector)
+
+
+@needs_linear
 def test_packed_weights_take_the_kernel_without_amx_or_on_its_tiles_on_up_to_two_threads_and_onednn_otherwise(
         monkeypatch):
     linear = torch.nn.Linear(64, 40).bfloat16().requires_grad_(False)

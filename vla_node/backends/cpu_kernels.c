@@ -553,12 +553,12 @@ int vla_amx(int use);
 #define VL 16        /* fp32 lanes of a vector */
 #define KEY_BLOCK 32 /* keys per logit step: two vectors */
 #define ROW_BLOCK 12 /* query rows sharing each load of K and V (24 logit accumulators; 4, 8 and 16 ran slower) */
+#define AMX_ROWS 16  /* an AMX tile's rows (linear_amx_row_parts counts them on every build) */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX tiles (the linear's and the attention's): the kernel's permission asked once a process, one configuration. */
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_ROWS 16
 struct amx_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
