@@ -548,6 +548,13 @@ KIVI_DEQUANT(vla_kivi_dequant_f32, float, store_f32)
 #define PACK_LINEAR_S8_SIGNATURE(NAME, T) \
     int NAME(const T *w, int64_t n, int64_t k, int8_t *packed, float *scale, int32_t *sums)
 int vla_amx(int use);
+/* the AMX paths: built where the compiler targets AMX-BF16 and the AVX512-BF16 kernels they extend */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+        defined(__AVX512VL__)
+#define VLA_AMX 1
+#else
+#define VLA_AMX 0
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define VL 16        /* fp32 lanes of a vector */
@@ -555,7 +562,7 @@ int vla_amx(int use);
 #define ROW_BLOCK 12 /* query rows sharing each load of K and V (24 logit accumulators; 4, 8 and 16 ran slower) */
 #define AMX_ROWS 16  /* an AMX tile's rows (linear_amx_row_parts counts them on every build) */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if VLA_AMX
 /* AMX tiles (the linear's and the attention's): the kernel's permission asked once a process, one configuration. */
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -820,7 +827,7 @@ static void attention_heads(const void *arg, int64_t first, int64_t last) { /* k
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if VLA_AMX
 /* attention_heads on AMX tiles, for a head_dim a multiple of 32: blocks of 16 query rows (rows past the block repeat
  * its first, their results dropped); the logits of 32 keys at a time in two accumulator tiles over K's pairs as
  * rearrange_keys lays them ([pairs][kp]: the tile product's right operand, 16 pairs x 16 keys a tile), scaled, biased
@@ -932,7 +939,7 @@ ATTENTION_SIGNATURE(vla_attention_bf16, uint16_t) {
                                         .kv_heads = kv_heads, .rows = rows, .keys = keys, .dim = dim, .scale = scale,
                                         .out = out, .out_head = out_head, .out_row = out_row, .failed = &failed};
     part_task heads_task = attention_heads;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if VLA_AMX
     if (dim % 32 == 0 && vla_amx(-1) == 1) heads_task = attention_heads_amx;
 #endif
     run_parts(heads_task, &call, kv_heads, heads * rows * keys * dim * 2 >= THREADED_MIN_MACS ? threads : 1);
@@ -979,6 +986,16 @@ static inline __m512 linear_op(__m512 s, int op, const uint16_t *other, __mmask1
     return s;
 }
 
+/* A row r's vector v of sums s: plus the bias, the op (linear_op), rounded once to bf16 and stored under `lanes`
+ * (the bf16 linear's epilogue on either path, and the int8 linear's once its sums are scaled). */
+static inline __attribute__((always_inline)) void linear_store(
+        __m512 s, const float *bias, int op, const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, int r, int v,
+        __mmask16 lanes) {
+    if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(lanes, bias + v * VL));
+    s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
+    _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+}
+
 static inline __attribute__((always_inline)) void linear_block(
         const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
         const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, const char *ahead,
@@ -1001,9 +1018,7 @@ static inline __attribute__((always_inline)) void linear_block(
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vectors; v++) {
             const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff; /* the columns this vector holds */
-            __m512 s = bias ? _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(lanes, bias + v * VL)) : acc[r][v];
-            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
-            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+            linear_store(acc[r][v], bias, op, other, ldo, y, ldy, r, v, lanes);
         }
 }
 
@@ -1081,7 +1096,7 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if VLA_AMX
 /* The same linear on AMX tiles, where the CPU has them and the kernel lets this process use them: a 16 x 16 fp32
  * accumulator tile per vector of a column tile (tmm0-2), a block of up to 16 rows x 32 values of x (tmm4) and the
  * weight's 16 pairs of k x 16 columns (tmm5-7) as they lie in the packed tile: vla_pack_linear_bf16's [k / 2][cols][2]
@@ -1125,9 +1140,7 @@ static inline __attribute__((always_inline)) void linear_amx_block(
                 s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_set1_epi32(pair),
                                      (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL));
             }
-            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(lanes, bias + v * VL));
-            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
-            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+            linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
         }
 }
 
@@ -1170,7 +1183,7 @@ static void linear_bf16_tiles(const void *arg, int64_t first, int64_t last) {
         const int64_t row0 = call->m * part / parts, rows = call->m * (part + 1) / parts - row0;
         const int64_t from = first > part * tiles ? first - part * tiles : 0;
         const int64_t to = last < (part + 1) * tiles ? last - part * tiles : tiles;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if VLA_AMX
         if (call->amx) {
             linear_amx_range(call, row0, rows, from, to);
             continue;
@@ -1207,7 +1220,7 @@ LINEAR_SIGNATURE(vla_linear_bf16, uint16_t) {
     const struct linear_call call = {.x = x, .m = m, .ldx = ldx, .packed = packed, .n = n, .k = k, .bias = bias,
                                      .op = op, .other = other, .ldo = ldo, .y = y, .ldy = ldy, .row_parts = parts,
                                      .amx = amx};
-    run_parts(linear_bf16_tiles, &call, parts * tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
+    run_parts(linear_bf16_tiles, &call, parts * tiles, on);
     return 0;
 }
 
@@ -1264,9 +1277,7 @@ static inline __attribute__((always_inline)) void linear_s8_block(
             const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + v * VL), 7);
             const __m512 units = _mm512_mul_ps(_mm512_set1_ps(row_scale[r]), _mm512_maskz_loadu_ps(lanes, scale + v * VL));
             __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][v], offset)), units);
-            if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(lanes, bias + v * VL));
-            s = linear_op(s, op, other ? other + r * ldo + v * VL : NULL, lanes);
-            _mm256_mask_storeu_epi16(y + r * ldy + v * VL, lanes, (__m256i)_mm512_cvtneps_pbh(s));
+            linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
         }
 }
 
@@ -1422,8 +1433,7 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_bf16, uint16_t) {
  * process their registers and they are not switched off; `use` 0 or 1 switches them off or back on (for
  * comparisons), -1 asks. */
 int vla_amx(int use) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-        defined(__AVX512VL__)
+#if VLA_AMX
     if (use == 0 || use == 1) amx_use = use;
     return amx_use && amx_granted();
 #else

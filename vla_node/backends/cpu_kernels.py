@@ -543,9 +543,10 @@ def linear_kernel() -> bool:
 
 def amx_tiles() -> bool:
     """Whether the bf16 linear and attention kernels run on AMX tiles here (built with AMX-BF16, the Linux kernel
-    grants this process the tile registers): then they beat oneDNN's AMX primitives too (see `linear`, `attention`)."""
+    grants this process the tile registers): then they beat oneDNN's AMX primitives too (see `linear`, `attention`).
+    The library answers 1 only where it was built with AVX512-BF16 too, so the linear kernel runs wherever this does."""
     lib = library()
-    return lib is not None and linear_kernel() and lib.amx(-1) == 1
+    return lib is not None and lib.amx(-1) == 1
 
 
 def linear_fits(weight: torch.Tensor) -> bool:

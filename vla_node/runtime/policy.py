@@ -624,7 +624,7 @@ class MultiRatePolicy:
         self._others[slot] = False  # the slot being replaced in the ring
         for imp in self._importance:
             imp.zero_()
-        if self._native_tick is not None and self._compiled is None and not self._states_stale:
+        if self.native_whole_tick and not self._states_stale:
             return self._native_action_tick(s, slot, position, check, commit)
         x = self.model.embed_state(s)  # [1, hidden]
         refreshed = None
