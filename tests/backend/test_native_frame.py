@@ -1,6 +1,6 @@
-"""backends/native_frame: a reuse frame's decoder layers with the tick's rows in their pass, one C call a layer, give
-the frame cache's own layers' bits (the same kernels in the same order), stop at the budget as they do, and run
-only where the Python path is the one they copy."""
+"""backends/native_frame: a frame's decoder layers with the tick's rows in their pass (a reuse frame's, or a full
+refresh's), one C call a layer, give the frame cache's own layers' bits (the same kernels in the same order), stop at
+the budget as they do, and run only where the Python path is the one they copy."""
 
 import dataclasses
 
@@ -55,7 +55,7 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list[torch.Tens
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_reuse_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads):
+def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads):
     with intra_op_threads(threads):
         reuse = ReuseConfig(shared_drift_samples=2)  # most tokens reused: their staged state is the live one's
         native, layers = _policy(reuse=reuse), _policy(reuse=reuse)
@@ -65,7 +65,8 @@ def test_a_reuse_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(t
         layers._frame_tokens.use_native(None)
         frames = _frames(6)
         got, want = _drive(native, frames), _drive(layers, frames)
-    assert counted.calls == 4 * CONFIG.num_layers  # the partial frames: not the first, nor the one after new text
+    assert counted.calls == 6 * CONFIG.num_layers  # every frame: the partial ones, the first and the one after new
+    # text in full
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
 
@@ -85,26 +86,29 @@ def test_a_budget_stop_inside_a_native_frame_commits_nothing():
             policy.update_vision(policy.prepare_frames([frames[1]]), [TOKENS[0]], state=state,
                                  check=lambda f: f < 0.75)  # the tower and half of the decoder
         assert (policy.state_count, policy.frame_count) == (count, frame_count)
-    assert counted.calls == 1  # the native frame's first layer ran, then the budget stopped it
+    assert counted.calls == CONFIG.num_layers + 1  # the full frame, then the partial one's first layer: stopped
     a = native.update_vision(native.prepare_frames([frames[2]]), [TOKENS[1]], state=state).chunk
     b = layers.update_vision(layers.prepare_frames([frames[2]]), [TOKENS[1]], state=state).chunk
     assert torch.equal(a.logits, b.logits)
 
 
-@pytest.mark.parametrize("why, cache, reuse", [
+@pytest.mark.parametrize("why, cache, reuse, full_frames", [
     ("float vision storage: the tick's rows see the frame by a round trip", dataclasses.replace(
-        CacheConfig(), vision=VisionMemoryConfig(storage_dtype="bf16")), ReuseConfig()),
-    ("no shared-drift sample", CacheConfig(), ReuseConfig(shared_drift_samples=0)),
-    ("a per-layer drift gate", CacheConfig(), ReuseConfig(decoder_drift_threshold=0.05)),
+        CacheConfig(), vision=VisionMemoryConfig(storage_dtype="bf16")), ReuseConfig(), 0),
+    ("no shared-drift sample: the partial frames' reused rows stay as they are", CacheConfig(),
+     ReuseConfig(shared_drift_samples=0), 1),
+    ("a per-layer drift gate", CacheConfig(), ReuseConfig(decoder_drift_threshold=0.05), 0),
 ])
-def test_other_paths_run_the_frame_caches_own_layers(why, cache, reuse):
+def test_other_paths_run_the_frame_caches_own_layers(why, cache, reuse, full_frames):
+    """Where the native frame does not copy the Python path it does not run: not at all, or (no shared-drift
+    sample: nothing to copy for a full frame's rows) for the full frames alone, here the first."""
     policy = _policy(cache, reuse)
     native = policy._frame_tokens.native
     if native is not None:
         counted = Counted(native, "layer")
         policy._frame_tokens.use_native(counted)
     _drive(policy, _frames(3))
-    assert native is None or counted.calls == 0, why
+    assert (native is None and not full_frames) or counted.calls == full_frames * CONFIG.num_layers, why
 
 
 def test_it_builds_only_where_every_piece_runs_on_the_kernels():

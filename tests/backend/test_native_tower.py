@@ -1,5 +1,5 @@
-"""backends/native_tower: a partial refresh's tower layers in two C calls each (the norms torch's) give the tower
-cache's own layers' bits, and run only where the Python path is the one they copy."""
+"""backends/native_tower: a refresh's tower layers (a partial one's, or a full one's) in two C calls each (the norms
+torch's) give the tower cache's own layers' bits, and run only where the Python path is the one they copy."""
 
 import dataclasses
 
@@ -50,7 +50,7 @@ def _drive(policy: MultiRatePolicy) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_partial_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads):
+def test_a_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads):
     with intra_op_threads(threads):
         native, layers = _policy(), _policy()
         assert native.tower_cache.native is not None, "NativeTower did not build for the packed bf16 policy"
@@ -58,17 +58,17 @@ def test_a_partial_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches
         native.tower_cache.use_native(counted)
         layers.tower_cache.use_native(None)
         got, want = _drive(native), _drive(layers)
-    assert counted.calls == 5 * CONFIG.vision_layers * 2  # the partial refreshes: two halves a layer
+    assert counted.calls == 6 * CONFIG.vision_layers * 2  # every refresh, the first in full: two halves a layer
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
 
 
-def test_without_a_shared_drift_sample_the_tower_caches_own_layers_run():
+def test_without_a_shared_drift_sample_a_partial_refresh_runs_the_tower_caches_own_layers():
     policy = _policy(ReuseConfig(shared_drift_samples=0))
     counted = Counted(policy.tower_cache.native, "half")
     policy.tower_cache.use_native(counted)
     _drive(policy)
-    assert counted.calls == 0
+    assert counted.calls == CONFIG.vision_layers * 2  # the full refresh alone: it has no reused rows to move
 
 
 def test_it_builds_only_on_the_kernels_and_refuses_other_operands():

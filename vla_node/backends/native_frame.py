@@ -1,5 +1,5 @@
-"""A reuse frame's decoder layer, with the action tick's rows in its pass, in one C call (cpu_kernels.c:
-vla_frame_rows_bf16).
+"""A frame's decoder layer (a reuse frame's or a full refresh's), with the action tick's rows in its pass, in one C
+call (cpu_kernels.c: vla_frame_rows_bf16).
 
 runtime/vision_cache.FrameTokenCache.run takes a layer of a partial frame (the gate's tokens and the shared-drift
 sample recomputed, the tick's rows beside them) through some thirty calls from Python: a norm, the K and V matmuls,
@@ -9,12 +9,15 @@ the gather of the MLP's rows, a norm, three matmuls, the move again, two adds. N
 the same kernels in the same order on the same operands, so the same bits (tests/backend/test_native_frame.py).
 `small` on the freeway clip at 10 fps behind the reuse gate, frame with its tick, Zen 5 EPYC (2 vCPU, AVX512-BF16),
 alternating with the frame cache's own layers in one process, 2026-12-06: 20.98 against 23.78 ms (0.88x) and 20.25
-against 22.53 ms (0.90x) on one thread, 14.16 against 16.65 ms (0.85x) on two.
+against 22.53 ms (0.90x) on one thread, 14.16 against 16.65 ms (0.85x) on two. A full refresh is the same call with
+every row picked (nothing reused: no sample to draw, no move; the Python path's one q|k|v matmul gives the three
+projections' bits, column by column): the full-refresh frame with its tick, tower included (native_tower.py), on an
+Intel Xeon with AMX (2 vCPU), alternating in one process, 2026-12-07: 21.32 against 26.01 ms.
 
 It applies where the policy's own path runs every piece on the CPU kernels (NativeRows' conditions, the q, k and v
 projections each on the bf16 linear kernel too), the frame's attention is gather_attention on the kernel, the tick
-rows reach the prefix buffer by a plain copy (INT8 vision storage: ExtraRows.prefix) and the run is partial with a
-shared-drift sample and no per-layer drift gate; the frame cache runs its own layers elsewhere.
+rows reach the prefix buffer by a plain copy (INT8 vision storage: ExtraRows.prefix), no per-layer drift gate runs and
+the run is full or partial with a shared-drift sample; the frame cache runs its own layers elsewhere.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class FrameRows(ctypes.Structure):
 
 
 class NativeFrame:
-    """A frame cache's layers for a partial run with extra rows, one C call a layer (module docstring)."""
+    """A frame cache's layers for a run with extra rows, one C call a layer (module docstring)."""
 
     def __init__(self, function, layers, weights: list[dict[str, torch.Tensor]], tokens: int, extra_rows: int,
                  max_text: int, prefix: PrefixBuffer) -> None:
@@ -92,7 +95,7 @@ class NativeFrame:
             projections = [kernel_linear(getattr(layer.self_attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
             if w is None or any(p is None for p in projections):
                 return None
-            del w["w_qkv"]  # a partial frame's rows take their q, k and v from the three projections
+            del w["w_qkv"]  # a frame's rows take their q, k and v from the three projections
             weights.append({**w, **dict(zip(("w_q", "w_k", "w_v"), projections))})
         return cls(lib.frame_rows[torch.bfloat16], layers, weights, tokens, extra_rows, max_text, prefix)
 
@@ -130,9 +133,9 @@ class NativeFrame:
         buffer, frame_at = prefix
         if buffer is not self._prefix:
             bad.append("the extra rows attend over another prefix buffer than this one's")
-        if rows.sample.numel() == 0 or index.shape != (n + n_extra,):
-            bad.append(f"a sample of {rows.sample.numel()} (expected 1 or more), index {tuple(index.shape)} (expected "
-                       f"[{n + n_extra}])")
+        if (rows.sample.numel() == 0 and n != t) or index.shape != (n + n_extra,):
+            bad.append(f"a sample of {rows.sample.numel()} (expected 1 or more where some rows are reused), index "
+                       f"{tuple(index.shape)} (expected [{n + n_extra}])")
         if bad:
             raise ValueError(f"a native frame run of {n} picked rows: {'; '.join(bad)}")
         self._keep = (cos, sin, rows, index, picked_cos, picked_sin)  # alive until the next run

@@ -104,8 +104,8 @@ def path_name(config: NodeConfig) -> str:
     where it runs (policy.attention_kernels), the packed matmuls on the fused CPU kernels' linear where
     packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
     16 rows with AMX, else 8), with the linear kernel and the attention kernel the decoder's layers in one C call
-    each (backends/native_rows.py: the tick's block; native_frame.py: a reuse frame's with the tick in its pass,
-    where the vision partition is INT8) and the tower's in two (native_tower.py: a partial refresh), a tick with the
+    each (backends/native_rows.py: the tick's block; native_frame.py: a frame's with the tick in its pass, where the
+    vision partition is INT8) and the tower's in two (native_tower.py: a refresh), a tick with the
     stored states fresh whole in one (native_tick.py: the parallel bins head, not compiled), and the tick compiled
     where model.compiled_tick resolves on (eager_policy checks that these ran)."""
     s = config.model
@@ -120,11 +120,11 @@ def path_name(config: NodeConfig) -> str:
         parts.append(f"matmuls on the {isa} linear kernel" if kernel_matmuls() else f"rows padded to {bucket_step()}")
         decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
         if kernel_matmuls() and decoder_kernel is not None:
-            parts.append("decoder layers one C call each (the tick's; a reuse frame's with INT8 vision storage)")
+            parts.append("decoder layers one C call each (the tick's; a frame's with INT8 vision storage)")
             if (model.action_decode, model.action_head) == ("parallel", "bins") and not s.resolved_compiled_tick:
                 parts.append("the tick with fresh states whole in one C call")
         if kernel_matmuls() and tower_kernel:
-            parts.append("tower layers two C calls each (a partial refresh)")
+            parts.append("tower layers two C calls each")
     elif s.weight_format == "int8":
         parts.append("matmuls on the AVX512-VNNI int8 linear kernel")
     if s.resolved_compiled_tick:

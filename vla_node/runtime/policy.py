@@ -286,13 +286,13 @@ class MultiRatePolicy:
 
     @property
     def native_frame(self) -> bool:
-        """Whether a reuse frame with the tick in its pass runs each decoder layer in one C call (INT8 vision
-        storage; backends/native_frame.py)."""
+        """Whether a frame with the tick in its pass (a reuse frame, a full refresh) runs each decoder layer in one
+        C call (INT8 vision storage; backends/native_frame.py)."""
         return self._frame_tokens is not None and self._frame_tokens.native is not None
 
     @property
     def native_tower(self) -> bool:
-        """Whether a partial refresh runs each tower layer in two C calls (backends/native_tower.py)."""
+        """Whether a refresh (partial or full) runs each tower layer in two C calls (backends/native_tower.py)."""
         return self.tower_cache.native is not None
 
     @staticmethod

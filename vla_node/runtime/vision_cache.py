@@ -199,9 +199,9 @@ class VisionTokenCache:
     _STATE = ("x_ref", "qkv", "attn_out", "mlp_out", "mid_ref", "out")
 
     def use_native(self, native: "NativeTower | None") -> None:
-        """Run a partial refresh's layers but their norms as `native` (backends/native_tower.py: the same bits in two
-        C calls a layer) where it applies: the `attention` given is the CPU kernel's, a shared-drift sample is drawn
-        and no per-layer drift gate runs."""
+        """Run a refresh's layers but their norms as `native` (backends/native_tower.py: the same bits in two C
+        calls a layer) where it applies: the `attention` given is the CPU kernel's, no per-layer drift gate runs, and
+        the refresh is full or draws a shared-drift sample."""
         self.native = native
 
     @property
@@ -275,9 +275,9 @@ class VisionTokenCache:
         sqkv, sx = st["qkv"][i], st["x_ref"][i]  # [3, H, T, hd], [T, W]
         if self._track_inputs or i == 0:
             _stage_rows(sx, live["x_ref"][i], xr, None if full else rows)
-        if not full and self.native is not None and not self._track_inputs and sample.numel():
+        if self.native is not None and not self._track_inputs and (full or sample.numel()):
             self.native.half(i, 0, x, layer.layer_norm1(xr), fixed, st, live)
-            self.native.half(i, 1, x, layer.layer_norm2(x.index_select(0, rows)), fixed, st, live)
+            self.native.half(i, 1, x, layer.layer_norm2(x if full else x.index_select(0, rows)), fixed, st, live)
             return
         sq, sk, sv = sqkv
         h = layer.layer_norm1(xr)
@@ -393,7 +393,8 @@ class FrameTokenCache:
         self._mask = torch.zeros(tokens, dtype=torch.bool)
         self._x = torch.zeros(tokens + extra_rows, hidden, dtype=dtype)  # residual streams: the frame, extra rows
         self._wide = None if dtype == torch.float32 else torch.zeros(tokens * hidden)  # shift_reused's fp32 scratch
-        self._extra_index = torch.arange(tokens, tokens + extra_rows)  # the extra rows' places in _x
+        self._every_row = torch.arange(tokens + extra_rows)  # every row of _x: a full run's index
+        self._extra_index = self._every_row[tokens:]  # the extra rows' places in _x
         self.native: NativeFrame | None = None  # use_native
         self.context: object = None  # what the cached state was computed against (the instruction); None = empty
         self._staged_context: object = None
@@ -401,9 +402,10 @@ class FrameTokenCache:
         self.staged_rows = [0] * (L - 1)  # tokens recomputed per layer but the last by the staged run (accounting)
 
     def use_native(self, native: "NativeFrame | None") -> None:
-        """Run a partial run's layers with extra rows attending over a prefix buffer (ExtraRows.prefix) as `native`
+        """Run a run's layers with extra rows attending over a prefix buffer (ExtraRows.prefix) as `native`
         (backends/native_frame.py: the same bits in one C call a layer) where it applies: the caller's `attend` is
-        gather_attention on the CPU kernel, a shared-drift sample is drawn and no per-layer drift gate runs."""
+        gather_attention on the CPU kernel, no per-layer drift gate runs, and the run is full or draws a shared-drift
+        sample."""
         self.native = native
 
     @property
@@ -443,9 +445,9 @@ class FrameTokenCache:
             xe.copy_(extra.x)
         extra_index = self._extra_index[:n_extra]
         fixed = None  # the rows every layer recomputes, once picked (without the per-layer drift gates)
-        if self._runs_native(tokens, extra):
+        if self._runs_native(extra):
             fixed = self._pick(0, xs, tokens, cos, sin, extra_index)
-            if fixed.index is not None and fixed.rows.sample.numel():
+            if fixed.index is None or fixed.rows.sample.numel():  # every row, or a partial run with its sample
                 self._run_native(xa, cos, sin, fixed, text, extra, check)
                 self._staged, self._staged_context = True, context
                 return
@@ -468,16 +470,18 @@ class FrameTokenCache:
                                   Segment, apply_rope)
         self._staged, self._staged_context = True, context
 
-    def _runs_native(self, tokens: torch.Tensor | None, extra: ExtraRows | None) -> bool:
-        return (self.native is not None and tokens is not None and extra is not None and extra.prefix is not None
-                and not self._track_inputs and self.shared_drift_samples > 0)
+    def _runs_native(self, extra: ExtraRows | None) -> bool:
+        return (self.native is not None and extra is not None and extra.prefix is not None
+                and not self._track_inputs)
 
     def _run_native(self, xa: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, picked: _Picked,
                     text: Callable[[int], Segment], extra: ExtraRows, check: Check | None) -> None:
-        """run's layers by self.native (use_native), the budget checked before each as run does."""
+        """run's layers by self.native (use_native), the budget checked before each as run does: a partial run's
+        picked rows with their sample, or every row (picked.index None)."""
         n_layers = len(self.layers)
         live = {name: getattr(self, name) for name in ("q", "attn_out", "mlp_out")}
-        self.native.begin(xa, cos, sin, picked.rows, picked.index, picked.cos, picked.sin, self._stage, live,
+        index = self._every_row[: xa.shape[0]] if picked.index is None else picked.index
+        self.native.begin(xa, cos, sin, picked.rows, index, picked.cos, picked.sin, self._stage, live,
                           extra.out_k, extra.out_v, extra.prefix)
         for i in range(n_layers):
             if check is not None and not check(i / n_layers):
