@@ -22,16 +22,19 @@ from vla_node.runtime.stages import StageAborted
 pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_kernel")]
 
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
+# 256 tokens of 256 values a frame, 4 heads of 64: the norms and the queries' RoPE split among the threads
+WIDE = CONFIG.replace(image_size=128, patch_size=8, hidden_size=256, intermediate_size=512)
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
 
 
-def _policy(cache: CacheConfig = CacheConfig(), reuse: ReuseConfig = ReuseConfig()) -> MultiRatePolicy:
-    return MultiRatePolicy(load_model(CONFIG, "packed", seed=5), cache, torch.bfloat16, reuse=reuse)
+def _policy(cache: CacheConfig = CacheConfig(), reuse: ReuseConfig = ReuseConfig(),
+            config=CONFIG) -> MultiRatePolicy:
+    return MultiRatePolicy(load_model(config, "packed", seed=5), cache, torch.bfloat16, reuse=reuse)
 
 
-def _frames(count: int) -> list[np.ndarray]:
+def _frames(count: int, size: int = CONFIG.image_size) -> list[np.ndarray]:
     rng = np.random.default_rng(1)
-    base = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    base = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
     return [np.clip(base.astype(np.int16) + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
             for _ in range(count)]
 
@@ -50,22 +53,23 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list[torch.Tens
             policy.update_text("merge right")
     cache = policy._frame_tokens
     out.extend(getattr(cache, name) for name in ("k", "v", "q", "attn_out", "mlp_out"))
-    out.extend(policy.action.read(layer)[0] for layer in range(CONFIG.num_layers))
+    out.extend(policy.action.read(layer)[0] for layer in range(policy.config.num_layers))
     return out
 
 
+@pytest.mark.parametrize("config", [CONFIG, WIDE], ids=["tiny", "wide"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads):
+def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads, config):
     with intra_op_threads(threads):
         reuse = ReuseConfig(shared_drift_samples=2)  # most tokens reused: their staged state is the live one's
-        native, layers = _policy(reuse=reuse), _policy(reuse=reuse)
+        native, layers = _policy(reuse=reuse, config=config), _policy(reuse=reuse, config=config)
         assert native._frame_tokens.native is not None, "NativeFrame did not build for the packed bf16 policy"
         counted = Counted(native._frame_tokens.native, "layer")
         native._frame_tokens.use_native(counted)
         layers._frame_tokens.use_native(None)
-        frames = _frames(6)
+        frames = _frames(6, config.image_size)
         got, want = _drive(native, frames), _drive(layers, frames)
-    assert counted.calls == 6 * CONFIG.num_layers  # every frame: the partial ones, the first and the one after new
+    assert counted.calls == 6 * config.num_layers  # every frame: the partial ones, the first and the one after new
     # text in full
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
