@@ -69,8 +69,8 @@ def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads
         layers._frame_tokens.use_native(None)
         frames = _frames(6, config.image_size)
         got, want = _drive(native, frames), _drive(layers, frames)
-    assert counted.calls == 6 * config.num_layers  # every frame: the partial ones, the first and the one after new
-    # text in full
+    # every frame native: the partial ones, and in full the first and the one after new text
+    assert counted.calls == 6 * config.num_layers
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"item {i} differs by {(a.float() - b.float()).abs().max()}"
 
@@ -104,8 +104,9 @@ def test_a_budget_stop_inside_a_native_frame_commits_nothing():
     ("a per-layer drift gate", CacheConfig(), ReuseConfig(decoder_drift_threshold=0.05), 0),
 ])
 def test_other_paths_run_the_frame_caches_own_layers(why, cache, reuse, full_frames):
-    """Where the native frame does not copy the Python path it does not run: not at all, or (no shared-drift
-    sample: nothing to copy for a full frame's rows) for the full frames alone, here the first."""
+    """Where the native frame would not give the Python path's bits it does not run: not at all, or, without a
+    shared-drift sample (the partial frames' reused rows stay as they are), only on full frames (every row recomputed,
+    nothing to move), here the first."""
     policy = _policy(cache, reuse)
     native = policy._frame_tokens.native
     if native is not None:

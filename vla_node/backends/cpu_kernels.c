@@ -1515,34 +1515,40 @@ static void gather_rows(uint16_t *to, const uint16_t *from, const int64_t *index
  * 216 rows of 512 (norm) and 8 heads of them (RoPE) ran on the caller alone while the other thread waited: on an
  * Intel Xeon with AMX (2 vCPU), 2026-12-07, 0.92 of the 10.07 ms its decoder layers took; the frame 20.6-21.6 ms
  * against 21.5-22.4 after (three pairs of processes, alternating). */
-struct rows_call {
-    const uint16_t *x, *w, *cos, *sin;
+struct norm_call { /* vla_rms_norm_bf16's operands */
+    const uint16_t *x, *w;
     uint16_t *y;
-    int64_t cols, x_head, x_row, rows;
+    int64_t cols;
     float eps;
 };
 
 static void rms_norm_part(const void *arg, int64_t first, int64_t last) { /* rows [first, last) */
-    const struct rows_call *c = arg;
+    const struct norm_call *c = arg;
     vla_rms_norm_bf16(c->x + first * c->cols, c->w, c->y + first * c->cols, last - first, c->cols, c->eps);
 }
 
 static void rms_norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t cols, float eps,
                           int64_t threads) {
-    const struct rows_call call = {.x = x, .w = w, .y = y, .cols = cols, .eps = eps};
+    const struct norm_call call = {.x = x, .w = w, .y = y, .cols = cols, .eps = eps};
     run_parts(rms_norm_part, &call, rows, rows * cols >= THREADED_MIN_VALUES ? threads : 1);
 }
 
+struct rope_call { /* vla_rope_bf16's operands */
+    const uint16_t *x, *cos, *sin;
+    int64_t x_head, x_row, rows, hd;
+    uint16_t *out;
+};
+
 static void rope_part(const void *arg, int64_t first, int64_t last) { /* heads [first, last) */
-    const struct rows_call *c = arg;
-    vla_rope_bf16(c->x + first * c->x_head, c->x_head, c->x_row, c->cos, c->sin, last - first, c->rows, c->cols,
-                  c->y + first * c->rows * c->cols);
+    const struct rope_call *c = arg;
+    vla_rope_bf16(c->x + first * c->x_head, c->x_head, c->x_row, c->cos, c->sin, last - first, c->rows, c->hd,
+                  c->out + first * c->rows * c->hd);
 }
 
 static void rope_heads(const uint16_t *x, int64_t x_head, int64_t x_row, const uint16_t *cos, const uint16_t *sin,
                        int64_t heads, int64_t rows, int64_t hd, uint16_t *out, int64_t threads) {
-    const struct rows_call call = {.x = x, .cos = cos, .sin = sin, .y = out, .cols = hd, .x_head = x_head,
-                                   .x_row = x_row, .rows = rows};
+    const struct rope_call call = {.x = x, .cos = cos, .sin = sin, .x_head = x_head, .x_row = x_row, .rows = rows,
+                                   .hd = hd, .out = out};
     run_parts(rope_part, &call, heads, heads * rows * hd >= THREADED_MIN_VALUES ? threads : 1);
 }
 
