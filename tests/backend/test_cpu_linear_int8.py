@@ -1,7 +1,8 @@
-"""The int8 linear kernel (backends/cpu_kernels.c, AVX512-VNNI): its arithmetic as quantized_product says (each row
-of x and each weight column quantized symmetrically, the codes' products summed exactly, one bf16 rounding after the
-op) at the node's shapes, the quantization's cost against the exact product, rows read as they lie, bad inputs named,
-and `weights = "int8"` packing every weight that fits it."""
+"""The int8 linear kernel (backends/cpu_kernels.c, AVX512-VNNI, on AMX tiles where the CPU has AMX-INT8): its
+arithmetic as quantized_product says (each row of x and each weight column quantized symmetrically, the codes'
+products summed exactly, one bf16 rounding after the op) at the node's shapes, the tiles' bits the vector path's, the
+quantization's cost against the exact product, rows read as they lie, bad inputs named, and `weights = "int8"`
+packing every weight that fits it."""
 
 import pytest
 import torch
@@ -37,6 +38,36 @@ def test_the_kernel_computes_its_quantized_arithmetic_and_costs_about_a_percent(
     assert got.shape == (shape[0], shape[2]) and got.dtype == torch.bfloat16
     assert_within(got.float(), want.float(), bf16_ulp(want.bfloat16()), f"kernel against its arithmetic ({op})")
     assert relative_error(got, exact) <= 0.02
+
+
+@needs_int8
+@pytest.mark.skipif("amx_int8" not in cpu_features.cpu_flags(cpu_features.read_cpuinfo()),
+                    reason=f"the int8 linear runs on AMX tiles only on a CPU with AMX-INT8 ({cpu_features.describe()})")
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 196])
+@pytest.mark.parametrize("k, n", [(4, 58), (68, 40), (512, 768), (588, 96), (1536, 512)])
+def test_on_amx_tiles_the_kernel_gives_its_vector_paths_bits(rows, k, n):
+    """Blocks of 16 rows and the rest, k by 64 on the tiles and the rest (k = 4, 68, 588) by the vector product, a
+    tail of columns, every op with a bias: the integer sums are exact in any order, so the tiles give the AVX512-VNNI
+    path's bits (its switch, amx(0), turns the tiles off for the int8 linear too)."""
+    lib = cpu_kernels.library()
+    assert lib is not None, cpu_kernels.status()  # a library that failed its self-check fails here
+    if lib.amx(-1) != 1:
+        pytest.skip("the kernel does not grant this process the AMX tile registers")
+    assert cpu_kernels.amx_int8_tiles()
+    x, weight, bias, other = linear_inputs(rows, k, n, seed=rows + k)
+    x[rows // 2] = 0  # a row of zero codes: the bias alone
+    packed = cpu_kernels.pack_linear_int8(weight)
+    for op in OPS:
+        run = lambda: cpu_kernels.linear_int8(x, packed, n, bias.float(), op, other if op == "mul" else None)  # noqa: E731
+        with torch.inference_mode():
+            tiles = run()
+            lib.amx(0)
+            try:
+                assert lib.amx_int8() == 0
+                vector = run()
+            finally:
+                lib.amx(1)
+        assert torch.equal(tiles.view(torch.int16), vector.view(torch.int16)), op
 
 
 @needs_int8

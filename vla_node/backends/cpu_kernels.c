@@ -1245,12 +1245,25 @@ PACK_LINEAR_SIGNATURE(vla_pack_linear_bf16, uint16_t) {
  * fp32, s_r * scale[c] * that + bias, the op and one rounding to bf16, as the bf16 linear. Tiles as the bf16 linear's
  * (LINEAR_TILE columns, LINEAR_ROWS rows sharing each weight load), each tile [k / 4][cols][4] bytes: half the bf16
  * weight's bytes and, on a CPU whose byte dot product issues as often as its bf16 one, twice the products a cycle.
- * k is a multiple of 4; a row with no nonzero value gives the bias alone (its codes all 0), a row with a NaN or an
- * infinity NaNs. Returns 0; -1 on a bad k or op; -3 when the codes' workspace (per thread) cannot be allocated. */
+ * Where the CPU has AMX-INT8 the products run on its tiles instead (linear_s8_amx_tiles: the same exact sums, the
+ * same bits). k is a multiple of 4; a row with no nonzero value gives the bias alone (its codes all 0), a row with a
+ * NaN or an infinity NaNs. Returns 0; -1 on a bad k or op; -3 when the codes' workspace (per thread) cannot be
+ * allocated. */
 typedef int32_t int32x16 __attribute__((vector_size(64))); /* gcc 12 spills __m512i accumulators (its builtin's
                                                               * 16 x int32 view of them); these stay in registers */
 static _Thread_local uint8_t *codes_workspace;
 static _Thread_local size_t codes_capacity;
+
+/* A row's vector v of int32 sums of offset codes: the offset off (128 times the columns' code sums), scaled by the
+ * row's and the columns' scales, then linear_store's epilogue (the int8 linear's, on either path). */
+static inline __attribute__((always_inline)) void linear_s8_store(
+        __m512i sum, float row_scale, const float *scale, const int32_t *sums, const float *bias, int op,
+        const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, int r, int v, __mmask16 lanes) {
+    const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + v * VL), 7);
+    const __m512 units = _mm512_mul_ps(_mm512_set1_ps(row_scale), _mm512_maskz_loadu_ps(lanes, scale + v * VL));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)), units);
+    linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
+}
 
 static inline __attribute__((always_inline)) void linear_s8_block(
         const uint8_t *x, int64_t ldx, const float *row_scale, const int8_t *tile, const float *scale,
@@ -1274,10 +1287,7 @@ static inline __attribute__((always_inline)) void linear_s8_block(
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vectors; v++) {
             const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
-            const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, sums + v * VL), 7);
-            const __m512 units = _mm512_mul_ps(_mm512_set1_ps(row_scale[r]), _mm512_maskz_loadu_ps(lanes, scale + v * VL));
-            __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][v], offset)), units);
-            linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
+            linear_s8_store((__m512i)acc[r][v], row_scale[r], scale, sums, bias, op, other, ldo, y, ldy, r, v, lanes);
         }
 }
 
@@ -1354,6 +1364,72 @@ static void linear_s8_tiles(const void *arg, int64_t first, int64_t last) {
         }
     }
 }
+
+#if VLA_AMX && defined(__AMX_INT8__)
+/* linear_s8_tiles on AMX tiles where the CPU has AMX-INT8: blocks of up to 16 rows of codes (tmm4, 64 values of k a
+ * row) against the packed tile's 16 quads of k x 16 columns (tmm5-7: vla_pack_linear_s8_bf16's [k / 4][cols][4] is
+ * the layout the tile product reads), the unsigned x signed byte products summed in int32 accumulator tiles (tmm0-2);
+ * k past the last multiple of 64 by the byte dot-product instruction on the stored sums, then linear_s8_block's
+ * epilogue. Integer sums are exact in any order: the same bits as the vector kernel. */
+static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
+    const struct linear_call *call = arg;
+    const uint8_t *codes = call->codes;
+    const int8_t *packed = call->packed;
+    const int64_t m = call->m, k = call->k, kp = call->kp, ldo = call->ldo, ldy = call->ldy, tiled = k / 64 * 64;
+    const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
+    int32_t acc[AMX_ROWS * LINEAR_TILE] __attribute__((aligned(64))); /* [rows][vectors * VL] */
+    int configured = 0; /* the rows the tiles are configured for (0: none yet) */
+    for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
+        const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
+        const int vectors = (int)((cols + VL - 1) / VL);
+        const int64_t stride = vectors * 64; /* bytes of the tile a quad of k takes */
+        const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
+        const int8_t *tile = packed + n0 * k;
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+            const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
+            if (rows != configured) amx_configure(configured = rows);
+            const uint8_t *x = codes + r0 * kp;
+            _tile_zero(0);
+            if (vectors > 1) _tile_zero(1);
+            if (vectors > 2) _tile_zero(2);
+            for (int64_t k0 = 0; k0 < tiled; k0 += 64) {
+                const int8_t *w = tile + k0 / 4 * stride;
+                _tile_loadd(4, x + k0, kp);
+                _tile_loadd(5, w, stride);
+                _tile_dpbusd(0, 4, 5);
+                if (vectors > 1) {
+                    _tile_loadd(6, w + 64, stride);
+                    _tile_dpbusd(1, 4, 6);
+                }
+                if (vectors > 2) {
+                    _tile_loadd(7, w + 128, stride);
+                    _tile_dpbusd(2, 4, 7);
+                }
+            }
+            _tile_stored(0, acc, LINEAR_TILE * 4);
+            if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
+            if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+            const float *row_scale = call->row_scale + r0, *bias = call->bias ? call->bias + n0 : NULL;
+            const uint16_t *other = call->other ? call->other + r0 * ldo + n0 : NULL;
+            uint16_t *y = call->y + r0 * ldy + n0;
+            for (int r = 0; r < rows; r++)
+                for (int v = 0; v < vectors; v++) {
+                    const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
+                    __m512i sum = _mm512_load_si512(acc + r * LINEAR_TILE + v * VL);
+                    for (int64_t p = tiled / 4; p < k / 4; p++) {
+                        int32_t quad;
+                        memcpy(&quad, x + r * kp + 4 * p, sizeof quad);
+                        sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(quad),
+                                                  _mm512_loadu_si512(tile + (p * vectors + v) * 4 * VL));
+                    }
+                    linear_s8_store(sum, row_scale[r], call->scale + n0, call->sums + n0, bias, call->op, other, ldo,
+                                    y, ldy, r, v, lanes);
+                }
+        }
+    }
+    if (configured) _tile_release();
+}
+#endif
 #endif
 
 LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
@@ -1375,7 +1451,11 @@ LINEAR_S8_SIGNATURE(vla_linear_s8_bf16, uint16_t) {
                                      .other = other, .ldo = ldo, .y = y, .ldy = ldy, .scale = scale, .sums = sums,
                                      .codes = codes, .kp = kp, .row_scale = row_scale};
     const int64_t tiles = (n + LINEAR_TILE - 1) / LINEAR_TILE;
-    run_parts(linear_s8_tiles, &call, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
+    part_task task = linear_s8_tiles;
+#if VLA_AMX && defined(__AMX_INT8__)
+    if (vla_amx(-1) == 1) task = linear_s8_amx_tiles;
+#endif
+    run_parts(task, &call, tiles, m * n * k >= THREADED_MIN_MACS ? threads : 1);
     return 0;
 #else
     return -2;
@@ -1438,6 +1518,15 @@ int vla_amx(int use) {
     return amx_use && amx_granted();
 #else
     (void)use;
+    return 0;
+#endif
+}
+
+/* Whether the int8 linear runs on AMX tiles here: vla_amx(-1) and built with AMX-INT8 too. */
+int vla_amx_int8(void) {
+#if VLA_AMX && defined(__AMX_INT8__)
+    return vla_amx(-1);
+#else
     return 0;
 #endif
 }

@@ -17,7 +17,7 @@ layer's matmul itself, on the same instruction where oneDNN has no AMX to run, a
 (`linear`, `amx_tiles`; the packed weights take it: backends/packed_weights.kernel_matmuls), and, for `weights =
 "int8"`, on the byte dot-product instruction (`linear_int8`, AVX512-VNNI: the weights quantized per output column, each
 row of activations as it comes; twice the bf16 instruction's products a cycle on a Zen 4, about 1.8x the bf16 kernel's
-speed at the node's shapes).
+speed at the node's shapes), or on AMX tiles where the CPU has AMX-INT8 (`amx_int8_tiles`: the same bits).
 
 Threads: the linear kernels split a call's columns, the attention its kv heads, among torch.get_num_threads()
 threads (a call of fewer than 2^21 multiply-adds runs on one), on torch's own OpenMP threads: where torch runs on
@@ -123,6 +123,7 @@ class Kernels(NamedTuple):
     tick_rows: dict[torch.dtype, Callable]  # the action tick whole (native_tick.py); the same, -3 where stopped
     parts: Callable  # parts(items, threads): the parts a threaded call runs in (1 where built without OpenMP)
     amx: Callable  # amx(use): 1 where the bf16 linear and attention run on AMX tiles; use 0/1 switches, -1 asks
+    amx_int8: Callable  # amx_int8(): 1 where the int8 linear runs on AMX tiles (amx's switch turns it off too)
     path: Path
 
 
@@ -247,12 +248,13 @@ def load(path: Path) -> Kernels:
                 raise OSError(f"{path.name} has no vla_{name}_{kind}") from error
             function.argtypes = argtypes
     try:
-        parts, amx = loaded.vla_parts, loaded.vla_amx
+        parts, amx, amx_int8 = loaded.vla_parts, loaded.vla_amx, loaded.vla_amx_int8
     except AttributeError as error:
         raise OSError(f"{path.name} lacks {error.name}") from error
     parts.argtypes = [_I, _I]
     amx.argtypes, amx.restype = [ctypes.c_int], ctypes.c_int
-    return Kernels(**functions, parts=parts, amx=amx, path=path)
+    amx_int8.argtypes, amx_int8.restype = [], ctypes.c_int
+    return Kernels(**functions, parts=parts, amx=amx, amx_int8=amx_int8, path=path)
 
 
 def kernels_switched_off() -> bool:
@@ -622,6 +624,14 @@ def _linear_int8(lib: Kernels, x: torch.Tensor, packed: Int8Weight, out_features
 
 
 @functools.cache
+def amx_int8_tiles() -> bool:
+    """Whether the int8 linear runs on AMX tiles here (amx_tiles, and the library built with AMX-INT8 too): the
+    same bits as its AVX512-VNNI path (integer sums are exact in any order), about 1.8x its speed at a frame's
+    shapes (see `linear_int8`)."""
+    lib = library()
+    return lib is not None and lib.amx_int8() == 1
+
+
 def int8_linear_kernel() -> bool:
     """Whether the int8 linear kernel runs here (the library built with AVX512-VNNI and AVX512-BF16)."""
     lib = library()
@@ -653,7 +663,11 @@ def linear_int8(x: torch.Tensor, packed: Int8Weight, out_features: int, bias: to
     in int32 on the byte dot-product instruction (AVX512-VNNI), then scaled, biased and the op applied in fp32 and
     rounded once to bf16: quantized_product's arithmetic. A row with a NaN or an infinity gives NaNs. One thread on
     a Zen 4 EPYC, us against the bf16 kernel: 17 rows x 512 -> 1536 69 against 126, 85 rows x 1536 -> 512 321
-    against 586, 196 rows x 384 -> 1152 421 against 774 (about 410 against 225 GOP/s)."""
+    against 586, 196 rows x 384 -> 1152 421 against 774 (about 410 against 225 GOP/s). On AMX tiles (amx_int8_tiles),
+    an Intel Xeon with AMX-INT8 (family 6 model 167, 2 vCPU), two threads, us against the kernel's AVX512-VNNI path
+    (the same bits): 216 x 512 -> 1536 with SiLU 172 against 322, 216 x 1536 -> 512 183 against 343, 196 x 384 ->
+    1536 with GELU 164 against 272, 80 x 512 -> 1536 67 against 123, a tick's 17 x 512 -> 1536 24 against 31 (the
+    bf16 linear on its tiles: about 220 and 36)."""
     lib = library()
     k = packed.codes.numel() // packed.scale.numel()
     _check_operands(lib, "int8 linear kernel", k, out_features, op, x, bias, other)

@@ -43,10 +43,10 @@ against oneDNN's 3.46 (17 rows), 1.16 against 2.25 (1 row), 8.26 against 9.71 (8
 
 With `int8` (`weights = "int8"`), every weight whose K is a multiple of 4 is quantized per output column for the
 kernels' int8 linear (cpu_kernels.linear_int8: each row of activations quantized as it comes, the products summed
-exactly in int32 on AVX512-VNNI): half the bytes and, on a Zen 4 EPYC, one thread, 1.8x the bf16 kernel's speed at
-a tick's and a frame's shapes (about 410 against 225 GOP/s). It costs accuracy: over 30 freeway frames the actions'
-logits 5.8% from the fp32 reference against 4.0% with bf16 weights (ONNX Runtime's int8-ort 5.9%), the bins agreeing
-92.5% against 94.4%; `auto` never picks it.
+exactly in int32 on AVX512-VNNI, or on AMX tiles where the CPU has AMX-INT8): half the bytes and, on a Zen 4 EPYC,
+one thread, 1.8x the bf16 kernel's speed at a tick's and a frame's shapes (about 410 against 225 GOP/s). It costs
+accuracy: over 30 freeway frames the actions' logits 5.8% from the fp32 reference against 4.0% with bf16 weights
+(ONNX Runtime's int8-ort 5.9%), the bins agreeing 92.5% against 94.4%; `auto` never picks it.
 
 The plain weights stay in the modules as parameters, so a packed model still saves, loads and deep-copies as before;
 its dtype and device are fixed (bf16 on the CPU): convert before packing, not after.

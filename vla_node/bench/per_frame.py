@@ -8,7 +8,7 @@ a shared machine hits every one alike:
     ours           the node's policy (the eager MultiRatePolicy, as the launch file builds it at the compute dtype)
                    behind the reuse gate, as the node drives it: the frame's vision update with the tick in its pass
     ours int8      the same with `weights = "int8"` (every matmul on the CPU kernels' int8 linear), where it runs
-                   (bf16 compute, AVX512-VNNI)
+                   (bf16 compute, AVX512-VNNI or AMX-INT8)
     onnxruntime int8  the engine policy on ONNX Runtime's dynamic int8 recipe (int8-ort), driven the same way
     reference      ReferencePolicy.step: full recompute of every token, at the compute dtype
     peer           transformers: SiglipVisionModel on the frame's pixels, our projector, then
@@ -126,7 +126,8 @@ def path_name(config: NodeConfig) -> str:
         if kernel_matmuls() and tower_kernel:
             parts.append("tower layers two C calls each")
     elif s.weight_format == "int8":
-        parts.append("matmuls on the AVX512-VNNI int8 linear kernel")
+        isa = "AMX-INT8" if cpu_kernels.amx_int8_tiles() else "AVX512-VNNI"
+        parts.append(f"matmuls on the {isa} int8 linear kernel")
     if s.resolved_compiled_tick:
         parts.append("tick compiled (AOTInductor)")
     return ", ".join(parts)
