@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.native_layers import Counted, needs_native_layers
+from helpers.native_layers import WEIGHTS, Counted, needs_native_layers
 from vla_node.backends.loading import load_model
 from vla_node.backends.native_frame import NativeFrame
 from vla_node.backends.tick_engine import intra_op_threads
@@ -27,9 +27,9 @@ WIDE = CONFIG.replace(image_size=128, patch_size=8, hidden_size=256, intermediat
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
 
 
-def _policy(cache: CacheConfig = CacheConfig(), reuse: ReuseConfig = ReuseConfig(),
-            config=CONFIG) -> MultiRatePolicy:
-    return MultiRatePolicy(load_model(config, "packed", seed=5), cache, torch.bfloat16, reuse=reuse)
+def _policy(cache: CacheConfig = CacheConfig(), reuse: ReuseConfig = ReuseConfig(), config=CONFIG,
+            weights: str = "packed") -> MultiRatePolicy:
+    return MultiRatePolicy(load_model(config, weights, seed=5), cache, torch.bfloat16, reuse=reuse)
 
 
 def _frames(count: int, size: int = CONFIG.image_size) -> list[np.ndarray]:
@@ -57,13 +57,14 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list[torch.Tens
     return out
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("config", [CONFIG, WIDE], ids=["tiny", "wide"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads, config):
+def test_a_frames_layers_in_one_call_each_give_the_frame_caches_own_bits(threads, config, weights):
     with intra_op_threads(threads):
         reuse = ReuseConfig(shared_drift_samples=2)  # most tokens reused: their staged state is the live one's
-        native, layers = _policy(reuse=reuse, config=config), _policy(reuse=reuse, config=config)
-        assert native._frame_tokens.native is not None, "NativeFrame did not build for the packed bf16 policy"
+        native, layers = (_policy(reuse=reuse, config=config, weights=weights) for _ in range(2))
+        assert native._frame_tokens.native is not None, f"NativeFrame did not build for the {weights} policy"
         counted = Counted(native._frame_tokens.native, "layer")
         native._frame_tokens.use_native(counted)
         layers._frame_tokens.use_native(None)

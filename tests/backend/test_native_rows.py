@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.native_layers import needs_native_layers
+from helpers.native_layers import WEIGHTS, needs_native_layers
 from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import load_model
 from vla_node.backends.native_rows import NativeRows
@@ -21,12 +21,13 @@ pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_ker
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame; head_dim 16
 
 
-def _policies() -> tuple[MultiRatePolicy, MultiRatePolicy]:
-    """Two policies of the same packed weights: the first's tick on NativeRows (a tick with fresh states whole on
-    NativeTick, the head of the others on NativeHead), the second's on its own layers and the Python head."""
-    native, layers = (MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
+def _policies(weights: str = "packed") -> tuple[MultiRatePolicy, MultiRatePolicy]:
+    """Two policies of the same weights (packed bf16, or int8): the first's tick on NativeRows (a tick with fresh
+    states whole on NativeTick, the head of the others on NativeHead), the second's on its own layers and the Python
+    head."""
+    native, layers = (MultiRatePolicy(load_model(CONFIG, weights, seed=3), CacheConfig(), torch.bfloat16)
                       for _ in range(2))
-    assert native._native_rows is not None, "NativeRows did not build for the packed bf16 policy"
+    assert native._native_rows is not None, f"NativeRows did not build for the {weights} policy"
     layers._native_rows = layers._native_tick = layers._native_head = None
     return native, layers
 
@@ -61,10 +62,11 @@ def _drive(policy: MultiRatePolicy, frames: list[np.ndarray]) -> list:
     return out
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_ticks_block_in_one_call_a_layer_gives_the_layers_own_bits(threads):
+def test_the_ticks_block_in_one_call_a_layer_gives_the_layers_own_bits(threads, weights):
     with intra_op_threads(threads):
-        native, layers = _policies()
+        native, layers = _policies(weights)
         frames = _frames(4)
         got, want = _drive(native, frames), _drive(layers, frames)
     assert len(got) == len(want)
@@ -102,9 +104,9 @@ def test_it_applies_only_where_every_piece_of_a_layer_runs_on_the_kernels():
     assert NativeRows.build(packed.model.decoder.model.layers, None) is None  # no prefix buffer
     fp32 = MultiRatePolicy(load_model(CONFIG, "plain", seed=3), CacheConfig(), torch.float32)
     assert fp32._native_rows is None
-    if cpu_kernels.int8_linear_kernel():
+    if cpu_kernels.int8_linear_kernel():  # the C layer calls the int8 linear for int8 weights
         int8 = MultiRatePolicy(load_model(CONFIG, "int8", seed=3), CacheConfig(), torch.bfloat16)
-        assert int8._native_rows is None  # the int8 linear is not the bf16 one the C layer calls
+        assert int8._native_rows is not None
     del packed.model.decoder.model.layers[0].self_attn.__dict__["qkv"]  # three projections: not one packed matmul
     assert NativeRows.build(packed.model.decoder.model.layers, packed._prefix) is None
 

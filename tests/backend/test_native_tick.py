@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.native_layers import Counted, needs_native_layers
+from helpers.native_layers import WEIGHTS, Counted, needs_native_layers
 from vla_node.backends import cpu_kernels
 from vla_node.backends.loading import convert_weights, load_model
 from vla_node.backends.native_tick import NativeHead, NativeTick
@@ -25,14 +25,14 @@ pytestmark = [needs_native_layers, pytest.mark.usefixtures("attention_on_the_ker
 CONFIG = preset("tiny").replace(image_size=64)  # 16 tokens a frame
 
 
-def _policies(plain=None) -> tuple[MultiRatePolicy, MultiRatePolicy]:
-    """Two policies of the same packed weights (of `plain`, default seed 3's): the first's fresh-state ticks on
-    NativeTick and its other ticks' head on NativeHead (both counted), the second's on NativeRows and the Python
-    head."""
+def _policies(plain=None, weights: str = "packed") -> tuple[MultiRatePolicy, MultiRatePolicy]:
+    """Two policies of the same weights (of `plain`, default seed 3's; packed bf16 or int8): the first's fresh-state
+    ticks on NativeTick and its other ticks' head on NativeHead (both counted), the second's on NativeRows and the
+    Python head."""
     plain = load_model(CONFIG, "plain", seed=3) if plain is None else plain
-    whole, rows = (MultiRatePolicy(convert_weights(copy.deepcopy(plain), "packed"), CacheConfig(), torch.bfloat16)
+    whole, rows = (MultiRatePolicy(convert_weights(copy.deepcopy(plain), weights), CacheConfig(), torch.bfloat16)
                    for _ in range(2))
-    assert whole._native_tick is not None, "NativeTick did not build for the packed bf16 policy"
+    assert whole._native_tick is not None, f"NativeTick did not build for the {weights} policy"
     whole._native_tick = Counted(whole._native_tick, "run")
     whole._native_head = Counted(whole._native_head, "run")
     rows._native_tick = rows._native_head = None
@@ -80,10 +80,11 @@ def _assert_same(got: list, want: list) -> None:
             assert a.actions.dtype == b.actions.dtype and np.array_equal(a.actions, b.actions), f"chunk {i}: values"
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_whole_tick_in_one_call_gives_the_bits_of_the_tick_on_native_rows(threads):
+def test_the_whole_tick_in_one_call_gives_the_bits_of_the_tick_on_native_rows(threads, weights):
     with intra_op_threads(threads):
-        whole, rows = _policies()
+        whole, rows = _policies(weights=weights)
         got, want = _drive(whole), _drive(rows)
     _assert_same(got, want)
     # NativeTick: every tick after a frame, the uncommitted one and the one after the second text's fused tick;
@@ -158,9 +159,9 @@ def test_it_applies_only_to_the_parallel_bins_head_with_every_piece_on_the_kerne
     for other in (CONFIG.replace(action_decode="autoregressive"), CONFIG.replace(action_head="flow")):
         policy = MultiRatePolicy(load_model(other, "packed", seed=3), CacheConfig(), torch.bfloat16)
         assert policy._native_tick is None
-    if cpu_kernels.int8_linear_kernel():
+    if cpu_kernels.int8_linear_kernel():  # the int8 linear for int8 weights
         int8 = MultiRatePolicy(load_model(CONFIG, "int8", seed=3), CacheConfig(), torch.bfloat16)
-        assert int8._native_tick is None
+        assert int8._native_tick is not None
     packed = MultiRatePolicy(load_model(CONFIG, "packed", seed=3), CacheConfig(), torch.bfloat16)
     n = 1 + CONFIG.action_tokens
     head = (packed.model, packed.config, packed._logits, packed.bins)

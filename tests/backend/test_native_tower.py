@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.native_layers import Counted, needs_native_layers
+from helpers.native_layers import WEIGHTS, Counted, needs_native_layers
 from vla_node.backends.loading import convert_weights, load_model
 from vla_node.backends.tick_engine import intra_op_threads
 from vla_node.kv.cache_config import CacheConfig
@@ -22,15 +22,16 @@ CONFIG = preset("tiny").replace(image_size=64, vision_width=64, vision_heads=4) 
 TOKENS = [torch.tensor([1, 6, 7, 12]), torch.tensor([0, 15]), torch.tensor([3, 4, 5, 9, 10, 11, 14])]
 
 
-def _policy(reuse: ReuseConfig = ReuseConfig(shared_drift_samples=2)) -> MultiRatePolicy:
-    """The packed bf16 policy, its tower's biases random (a seeded model's are zero: a lost bias would not show)."""
+def _policy(reuse: ReuseConfig = ReuseConfig(shared_drift_samples=2), weights: str = "packed") -> MultiRatePolicy:
+    """The policy of packed bf16 (or int8) weights, its tower's biases random (a seeded model's are zero: a lost bias
+    would not show)."""
     model = build_vla(CONFIG, seed=7)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.vision.named_parameters():
             if name.endswith("bias"):
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-    return MultiRatePolicy(convert_weights(model, "packed"), CacheConfig(), torch.bfloat16, reuse=reuse)
+    return MultiRatePolicy(convert_weights(model, weights), CacheConfig(), torch.bfloat16, reuse=reuse)
 
 
 def _drive(policy: MultiRatePolicy) -> list[torch.Tensor]:
@@ -49,11 +50,12 @@ def _drive(policy: MultiRatePolicy) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads):
+def test_a_refreshs_tower_layers_in_two_calls_each_give_the_tower_caches_own_bits(threads, weights):
     with intra_op_threads(threads):
-        native, layers = _policy(), _policy()
-        assert native.tower_cache.native is not None, "NativeTower did not build for the packed bf16 policy"
+        native, layers = _policy(weights=weights), _policy(weights=weights)
+        assert native.tower_cache.native is not None, f"NativeTower did not build for the {weights} policy"
         counted = Counted(native.tower_cache.native, "half")
         native.tower_cache.use_native(counted)
         layers.tower_cache.use_native(None)

@@ -1551,6 +1551,14 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_f32, float) {
     return -2;
 }
 
+/* A native layer's weight, as PackedMatmul holds it: the bf16 linear's packed weight (scale and sums NULL), or
+ * (weights = "int8") the int8 linear's packed codes, per-column scales and code sums (vla_pack_linear_s8_bf16's). */
+struct weight {
+    const void *packed;
+    const float *scale;
+    const int32_t *sums;
+};
+
 /* One decoder layer (model/decoder.LlamaDecoderLayer) of a block of n rows over the layer's key buffer, in one call:
  * the work MultiRatePolicy._run_block does a layer for the action tick's block over kv/prefix.PrefixBuffer, kernel by
  * kernel, the same kernels in the same order, so the same bits (backends/native_rows.py):
@@ -1558,15 +1566,15 @@ PACK_LINEAR_S8_SIGNATURE(vla_pack_linear_s8_f32, float) {
  *   k, v -> the stage (the block's K/V out) and the buffer's slots [block_at, block_at + n)
  *   attn = attention(q over the buffer's `keys` slots, bias [n, keys]); x = x + attn Wo^T
  *   h = rms_norm(x, norm_post); x = x + ((h Wup^T) * silu(h Wgate^T)) Wdown^T
- * x [n, width] bf16 is updated in place (each add in fp32, rounded once, as torch's); weights packed by
- * vla_pack_linear_bf16; cos, sin [n, dim]; the stage and the buffer [kv_heads, slots, dim] at their (head, row)
- * strides; workspaces as sized below. Returns 0; -1 when the attention's workspace cannot be allocated; -2 where the
- * library was built without AVX512-BF16. */
+ * x [n, width] bf16 is updated in place (each add in fp32, rounded once, as torch's); each weight a struct weight
+ * (bf16 or int8); cos, sin [n, dim]; the stage and the buffer [kv_heads, slots, dim] at their (head, row)
+ * strides; workspaces as sized below. Returns 0; -1 when the attention's or the int8 linear's workspace cannot be
+ * allocated; -2 where the library was built without AVX512-BF16. */
 struct decoder_rows {
     uint16_t *x;
     int64_t n, width, heads, kv_heads, dim, inter;
     const uint16_t *norm_in, *norm_post;                 /* [width] */
-    const uint16_t *w_qkv, *w_o, *w_gate, *w_up, *w_down; /* packed */
+    const struct weight *w_qkv, *w_o, *w_gate, *w_up, *w_down; /* layer_linear's */
     const uint16_t *cos, *sin;                           /* [n, dim] */
     uint16_t *stage_k, *stage_v;
     int64_t stage_head, stage_row;
@@ -1641,14 +1649,23 @@ static void rope_heads(const uint16_t *x, int64_t x_head, int64_t x_row, const u
     run_parts(rope_part, &call, heads, heads * rows * hd >= THREADED_MIN_VALUES ? threads : 1);
 }
 
+/* x [m, k] W^T as PackedMatmul runs it: on the int8 linear where the weight has scales (weights = "int8"), else on
+ * the bf16 linear. Nonzero where the kernel failed (the int8 linear's codes workspace could not be allocated). */
+static int layer_linear(const struct weight *w, const uint16_t *x, int64_t m, int64_t ldx, int64_t n, int64_t k,
+                        const float *bias, int op, const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy,
+                        int64_t threads) {
+    if (!w->scale) return vla_linear_bf16(x, m, ldx, w->packed, n, k, bias, op, other, ldo, y, ldy, threads);
+    return vla_linear_s8_bf16(x, m, ldx, w->packed, w->scale, w->sums, n, k, bias, op, other, ldo, y, ldy, threads);
+}
+
 /* Llama's MLP of rows h [n, width] (normed already) into out [n, width], as PackedSwiGLU runs it:
- * down((h Wup^T) * silu(h Wgate^T)); act and prod [n, inter] its scratch. */
-static void swiglu_mlp(const uint16_t *h, int64_t n, int64_t width, int64_t inter, const uint16_t *w_gate,
-                       const uint16_t *w_up, const uint16_t *w_down, uint16_t *act, uint16_t *prod, uint16_t *out,
-                       int64_t threads) {
-    vla_linear_bf16(h, n, width, w_gate, inter, width, NULL, 1, NULL, 0, act, inter, threads);
-    vla_linear_bf16(h, n, width, w_up, inter, width, NULL, 2, act, inter, prod, inter, threads);
-    vla_linear_bf16(prod, n, inter, w_down, width, inter, NULL, 0, NULL, 0, out, width, threads);
+ * down((h Wup^T) * silu(h Wgate^T)); act and prod [n, inter] its scratch. Nonzero where a linear failed. */
+static int swiglu_mlp(const uint16_t *h, int64_t n, int64_t width, int64_t inter, const struct weight *w_gate,
+                      const struct weight *w_up, const struct weight *w_down, uint16_t *act, uint16_t *prod,
+                      uint16_t *out, int64_t threads) {
+    return layer_linear(w_gate, h, n, width, inter, width, NULL, 1, NULL, 0, act, inter, threads)
+           || layer_linear(w_up, h, n, width, inter, width, NULL, 2, act, inter, prod, inter, threads)
+           || layer_linear(w_down, prod, n, inter, width, inter, NULL, 0, NULL, 0, out, width, threads);
 }
 #endif
 
@@ -1657,7 +1674,8 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
     const int64_t n = c->n, width = c->width, heads = c->heads, kv = c->kv_heads, dim = c->dim, inter = c->inter;
     const int64_t cols = (heads + 2 * kv) * dim, threads = c->threads;
     vla_rms_norm_bf16(c->x, c->norm_in, c->h, n, width, c->eps);
-    vla_linear_bf16(c->h, n, width, c->w_qkv, cols, width, NULL, 0, NULL, 0, c->qkv, cols, threads);
+    if (layer_linear(c->w_qkv, c->h, n, width, cols, width, NULL, 0, NULL, 0, c->qkv, cols, threads))
+        return -1;
     vla_rope_bf16(c->qkv, dim, cols, c->cos, c->sin, heads + kv, n, dim, c->qk); /* [n, cols] -> [H + KV, n, dim] */
     for (int64_t j = 0; j < kv; j++) { /* k: rows of qk's head heads + j; v: qkv's columns of head heads + kv + j */
         const uint16_t *k = c->qk + (heads + j) * n * dim, *v = c->qkv + (heads + kv + j) * dim;
@@ -1670,10 +1688,13 @@ int vla_decoder_rows_bf16(const struct decoder_rows *c) {
     if (vla_attention_bf16(c->qk, n * dim, dim, c->buffer_k, c->buffer_v, c->buffer_head, c->buffer_row, c->bias,
                            c->bias_row, heads, kv, n, c->keys, dim, c->scale, c->attn, dim, heads * dim, threads))
         return -1;
-    vla_linear_bf16(c->attn, n, heads * dim, c->w_o, width, heads * dim, NULL, 0, NULL, 0, c->y, width, threads);
+    if (layer_linear(c->w_o, c->attn, n, heads * dim, width, heads * dim, NULL, 0, NULL, 0, c->y, width,
+                     threads))
+        return -1;
     add_rows_bf16(c->x, c->y, n * width);
     vla_rms_norm_bf16(c->x, c->norm_post, c->h, n, width, c->eps);
-    swiglu_mlp(c->h, n, width, inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, c->y, threads);
+    if (swiglu_mlp(c->h, n, width, inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, c->y, threads))
+        return -1;
     add_rows_bf16(c->x, c->y, n * width);
     return 0;
 #else
@@ -1693,7 +1714,7 @@ struct tick_head {
     int64_t queries, width;
     const uint16_t *norm; /* [width] */
     float eps;
-    const uint16_t *w_head; /* packed */
+    const struct weight *w_head;
     int64_t vocab;
     uint16_t *h;    /* [queries, width] */
     uint16_t *head; /* [queries, vocab] */
@@ -1708,8 +1729,9 @@ struct tick_head {
 int vla_tick_head_bf16(const struct tick_head *c) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     vla_rms_norm_bf16(c->x, c->norm, c->h, c->queries, c->width, c->eps);
-    vla_linear_bf16(c->h, c->queries, c->width, c->w_head, c->vocab, c->width, NULL, 0, NULL, 0, c->head, c->vocab,
-                    c->threads);
+    if (layer_linear(c->w_head, c->h, c->queries, c->width, c->vocab, c->width, NULL, 0, NULL, 0, c->head,
+                     c->vocab, c->threads))
+        return -1;
     for (int64_t r = 0; r < c->queries; r++) {
         const uint16_t *head = c->head + r * c->vocab;
         float *logits = c->logits + r * c->vocab;
@@ -1748,7 +1770,7 @@ struct tick_rows {
     const uint16_t *cos, *sin; /* [n, dim] */
     const uint16_t *state;     /* [state_dim] */
     int64_t state_dim;
-    const uint16_t *w_state; /* packed */
+    const struct weight *w_state;
     const float *b_state;    /* [width] or NULL */
     uint16_t *state_row;     /* [width] */
     const uint16_t *query;   /* [width] */
@@ -1762,8 +1784,9 @@ int vla_tick_rows_bf16(struct tick_rows *t) {
     const struct decoder_rows *first = t->layers;
     const int64_t n = t->n, width = first->width;
     uint16_t *x = first->x;
-    vla_linear_bf16(t->state, 1, t->state_dim, t->w_state, width, t->state_dim, t->b_state, 0, NULL, 0, t->state_row,
-                    width, t->threads);
+    if (layer_linear(t->w_state, t->state, 1, t->state_dim, width, t->state_dim, t->b_state, 0, NULL, 0,
+                     t->state_row, width, t->threads))
+        return -1;
     memcpy(x, t->state_row, (size_t)width * 2);
     for (int64_t r = 1; r < n; r++) memcpy(x + r * width, t->query, (size_t)width * 2);
     for (int64_t i = 0; i < t->count; i++) {
@@ -1807,7 +1830,7 @@ struct frame_rows {
     uint16_t *x;
     int64_t tokens, extra, picked, last, width, heads, kv_heads, dim, inter;
     const uint16_t *norm_in, *norm_post;
-    const uint16_t *w_q, *w_k, *w_v, *w_o, *w_gate, *w_up, *w_down; /* packed */
+    const struct weight *w_q, *w_k, *w_v, *w_o, *w_gate, *w_up, *w_down; /* layer_linear's */
     const uint16_t *cos, *sin;                                      /* [tokens + extra, dim] */
     const uint16_t *picked_cos, *picked_sin;                        /* [picked + extra, dim] */
     const int64_t *index, *sample, *at;
@@ -1856,8 +1879,9 @@ static int frame_extra_attention(const struct frame_rows *c, const uint16_t *qr,
 }
 
 /* The MLP of rows h [n, width] (normed already) into out [n, width], on the frame call's weights and scratch. */
-static void frame_mlp(const struct frame_rows *c, const uint16_t *h, int64_t n, uint16_t *out) {
-    swiglu_mlp(h, n, c->width, c->inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, out, c->threads);
+static int frame_mlp(const struct frame_rows *c, const uint16_t *h, int64_t n, uint16_t *out) {
+    return swiglu_mlp(h, n, c->width, c->inter, c->w_gate, c->w_up, c->w_down, c->act, c->prod, out,
+                      c->threads);
 }
 #endif
 
@@ -1867,9 +1891,9 @@ int vla_frame_rows_bf16(const struct frame_rows *c) {
     const int64_t dim = c->dim, kvw = KV * dim, hw = H * dim, threads = c->threads;
     uint16_t *x = c->x, *xe = c->x + T * width;
     rms_norm_rows(x, c->norm_in, c->h, R, width, c->eps, threads);
-    vla_linear_bf16(c->h, R, width, c->w_k, kvw, width, NULL, 0, NULL, 0, c->k, kvw, threads);
+    if (layer_linear(c->w_k, c->h, R, width, kvw, width, NULL, 0, NULL, 0, c->k, kvw, threads)) return -1;
     rope_heads(c->k, dim, kvw, c->cos, c->sin, KV, R, dim, c->kr, threads); /* [R, KV dim] -> [KV, R, dim] */
-    vla_linear_bf16(c->h, R, width, c->w_v, kvw, width, NULL, 0, NULL, 0, c->v, kvw, threads);
+    if (layer_linear(c->w_v, c->h, R, width, kvw, width, NULL, 0, NULL, 0, c->v, kvw, threads)) return -1;
     for (int64_t j = 0; j < KV; j++) {
         copy_rows(c->stage_k + j * T * dim, dim, c->kr + j * R * dim, dim, T, dim);
         copy_rows(c->stage_v + j * T * dim, dim, c->v + j * dim, kvw, T, dim);
@@ -1877,19 +1901,21 @@ int vla_frame_rows_bf16(const struct frame_rows *c) {
         copy_rows(c->extra_v + j * c->extra_head, c->extra_row, c->v + T * kvw + j * dim, kvw, ne, dim);
     }
     if (c->last) { /* the extra rows alone finish the layer */
-        vla_linear_bf16(c->h + T * width, ne, width, c->w_q, hw, width, NULL, 0, NULL, 0, c->q, hw, threads);
+        if (layer_linear(c->w_q, c->h + T * width, ne, width, hw, width, NULL, 0, NULL, 0, c->q, hw, threads))
+            return -1;
         vla_rope_bf16(c->q, dim, hw, c->cos + T * dim, c->sin + T * dim, H, ne, dim, c->qr); /* -> [H, ne, dim] */
         if (frame_extra_attention(c, c->qr, ne * dim, c->attn)) return -1;
-        vla_linear_bf16(c->attn, ne, hw, c->w_o, width, hw, NULL, 0, NULL, 0, c->out, width, threads);
+        if (layer_linear(c->w_o, c->attn, ne, hw, width, hw, NULL, 0, NULL, 0, c->out, width, threads))
+            return -1;
         add_rows_bf16(xe, c->out, ne * width);
         vla_rms_norm_bf16(xe, c->norm_post, c->h, ne, width, c->eps);
-        frame_mlp(c, c->h, ne, c->out);
+        if (frame_mlp(c, c->h, ne, c->out)) return -1;
         add_rows_bf16(xe, c->out, ne * width);
         return 0;
     }
     const int64_t n = c->picked, m = n + ne, text = c->text_tokens, keys = text + T;
     gather_rows(c->q, c->h, c->index, m, width); /* h[index] (the query matmul's input), in q's room */
-    vla_linear_bf16(c->q, m, width, c->w_q, hw, width, NULL, 0, NULL, 0, c->attn, hw, threads);
+    if (layer_linear(c->w_q, c->q, m, width, hw, width, NULL, 0, NULL, 0, c->attn, hw, threads)) return -1;
     rope_heads(c->attn, dim, hw, c->picked_cos, c->picked_sin, H, m, dim, c->qr, threads); /* -> [H, m, dim] */
     if (n < T) memcpy(c->stage_q, c->live_q, (size_t)(H * T * dim) * 2); /* the reused rows' queries */
     for (int64_t head = 0; head < H; head++)
@@ -1905,13 +1931,13 @@ int vla_frame_rows_bf16(const struct frame_rows *c) {
                            c->scale, c->attn, dim, hw, threads)
         || frame_extra_attention(c, c->qr + n * dim, m * dim, c->attn + n * hw))
         return -1;
-    vla_linear_bf16(c->attn, m, hw, c->w_o, width, hw, NULL, 0, NULL, 0, c->out, width, threads);
+    if (layer_linear(c->w_o, c->attn, m, hw, width, hw, NULL, 0, NULL, 0, c->out, width, threads)) return -1;
     vla_shift_bf16(c->live_attn, c->out, 0, width, c->index, n, c->sample, c->at, c->samples, c->stage_attn, 1, T,
                    width, x, threads);
     add_rows_bf16(xe, c->out + n * width, ne * width);
     gather_rows(c->q, x, c->index, m, width); /* the MLP's rows of the streams, in q's room */
     rms_norm_rows(c->q, c->norm_post, c->h, m, width, c->eps, threads);
-    frame_mlp(c, c->h, m, c->out);
+    if (frame_mlp(c, c->h, m, c->out)) return -1;
     vla_shift_bf16(c->live_mlp, c->out, 0, width, c->index, n, c->sample, c->at, c->samples, c->stage_mlp, 1, T,
                    width, x, threads);
     add_rows_bf16(xe, c->out + n * width, ne * width);
@@ -1938,7 +1964,7 @@ struct tower_rows {
     uint16_t *x; /* [tokens, width] the camera's residual stream */
     int64_t tokens, picked, width, heads, dim, inter, part;
     const uint16_t *h;
-    const uint16_t *w_qkv, *w_o, *w_fc1, *w_fc2; /* packed */
+    const struct weight *w_qkv, *w_o, *w_fc1, *w_fc2; /* layer_linear's */
     const float *b_qkv, *b_o, *b_fc1, *b_fc2;    /* fp32 or NULL */
     const int64_t *rows, *sample, *at;
     int64_t samples;
@@ -1958,7 +1984,8 @@ int vla_tower_rows_bf16(const struct tower_rows *c) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     const int64_t T = c->tokens, n = c->picked, W = c->width, H = c->heads, dim = c->dim, threads = c->threads;
     if (c->part == 0) {
-        vla_linear_bf16(c->h, n, W, c->w_qkv, 3 * W, W, c->b_qkv, 0, NULL, 0, c->qkv, 3 * W, threads);
+        if (layer_linear(c->w_qkv, c->h, n, W, 3 * W, W, c->b_qkv, 0, NULL, 0, c->qkv, 3 * W, threads))
+            return -1;
         /* [n, 3 W] as [3, H, n, dim]: head stride dim, token stride 3 W */
         vla_shift_bf16(c->live_qkv, c->qkv, dim, 3 * W, c->rows, n, c->sample, c->at, c->samples, c->stage_qkv,
                        3 * H, T, dim, NULL, threads);
@@ -1966,10 +1993,11 @@ int vla_tower_rows_bf16(const struct tower_rows *c) {
         if (vla_attention_bf16(c->qkv, dim, 3 * W, k, v, T * dim, dim, NULL, 0, H, H, n, T, dim, c->scale, c->attn,
                                dim, W, threads))
             return -1;
-        vla_linear_bf16(c->attn, n, W, c->w_o, W, W, c->b_o, 0, NULL, 0, c->out, W, threads);
-    } else {
-        vla_linear_bf16(c->h, n, W, c->w_fc1, c->inter, W, c->b_fc1, 3, NULL, 0, c->act, c->inter, threads);
-        vla_linear_bf16(c->act, n, c->inter, c->w_fc2, W, c->inter, c->b_fc2, 0, NULL, 0, c->out, W, threads);
+        if (layer_linear(c->w_o, c->attn, n, W, W, W, c->b_o, 0, NULL, 0, c->out, W, threads)) return -1;
+    } else if (layer_linear(c->w_fc1, c->h, n, W, c->inter, W, c->b_fc1, 3, NULL, 0, c->act, c->inter, threads)
+               || layer_linear(c->w_fc2, c->act, n, c->inter, W, c->inter, c->b_fc2, 0, NULL, 0, c->out, W,
+                               threads)) {
+        return -1;
     }
     vla_shift_bf16(c->live_out, c->out, 0, W, c->rows, n, c->sample, c->at, c->samples, c->stage_out, 1, T, W, c->x,
                    threads);

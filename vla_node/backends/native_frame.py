@@ -15,7 +15,7 @@ projections' bits, column by column): the full-refresh frame with its tick, towe
 Intel Xeon with AMX (2 vCPU), alternating in one process, 2026-12-07: 21.32 against 26.01 ms.
 
 It applies where the policy's own path runs every piece on the CPU kernels (NativeRows' conditions, the q, k and v
-projections each on the bf16 linear kernel too), the frame's attention is gather_attention on the kernel, the tick
+projections each on a linear kernel too), the frame's attention is gather_attention on the kernel, the tick
 rows reach the prefix buffer by a plain copy (INT8 vision storage: ExtraRows.prefix), no per-layer drift gate runs and
 the run is full or partial with a shared-drift sample; the frame cache runs its own layers elsewhere.
 """
@@ -26,7 +26,15 @@ import ctypes
 
 import torch
 
-from vla_node.backends.native_rows import address, attends_on_kernel, kernel_linear, layer_weights, native_kernels
+from vla_node.backends.native_rows import (
+    Weight,
+    address,
+    attends_on_kernel,
+    kernel_linear,
+    layer_weights,
+    native_kernels,
+    pointer,
+)
 from vla_node.kv.prefix import PrefixBuffer
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -55,7 +63,7 @@ class FrameRows(ctypes.Structure):
 class NativeFrame:
     """A frame cache's layers for a run with extra rows, one C call a layer (module docstring)."""
 
-    def __init__(self, function, layers, weights: list[dict[str, torch.Tensor]], tokens: int, extra_rows: int,
+    def __init__(self, function, layers, weights: list[dict[str, torch.Tensor | Weight]], tokens: int, extra_rows: int,
                  max_text: int, prefix: PrefixBuffer) -> None:
         a = layers[0].self_attn
         self._function, self._weights, self._prefix = function, weights, prefix  # the weights kept alive
@@ -77,7 +85,7 @@ class NativeFrame:
                                  keys=pk.shape[2], block_at=prefix.prefix_tokens + prefix.state_slots,
                                  bias=prefix.bias.data_ptr(), bias_row=prefix.bias.stride(0),
                                  eps=layers[i].input_layernorm.eps, scale=dim ** -0.5,
-                                 **{name: t.data_ptr() for name, t in {**w, **self._work}.items()})
+                                 **{name: pointer(t) for name, t in {**w, **self._work}.items()})
                        for i, w in enumerate(weights)]
 
     @classmethod
@@ -167,4 +175,4 @@ class NativeFrame:
         call.text_head, call.text_row = text_k.stride(0), text_k.stride(1)
         call.threads = torch.get_num_threads()
         if self._function(ctypes.byref(call)) == -1:
-            raise MemoryError("the attention kernel's workspace could not be allocated")
+            raise MemoryError("a kernel's workspace (the attention's, the int8 linear's) could not be allocated")

@@ -11,8 +11,9 @@ layers' own calls in one process, 2026-12-06: 3.19 against 4.34 ms on one thread
 two (0.71x).
 
 It applies where every piece of a layer runs on the CPU kernels already: bf16 compute, the linear weights packed
-for the bf16 linear kernel (no bias; not int8), the norms KernelRMSNorm, the prefix buffer's attention on the
-kernel; `NativeRows.build` returns None elsewhere and the policy runs its layers as before.
+for the bf16 linear kernel or (`weights = "int8"`) quantized for the int8 one (no bias), the norms KernelRMSNorm, the
+prefix buffer's attention on the kernel; `NativeRows.build` returns None elsewhere and the policy runs its layers as
+before.
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ from vla_node.backends.packed_weights import PackedLinear, PackedMatmul, PackedQ
 from vla_node.kv.prefix import PrefixBuffer
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Weight(ctypes.Structure):
+    """cpu_kernels.c's struct weight: a PackedMatmul's weight as the native layers take it (weight_of)."""
+
+    _fields_ = [("packed", _P), ("scale", _P), ("sums", _P)]
+
+
+def weight_of(matmul: PackedMatmul) -> Weight:
+    """The C layers' operands of a kernel matmul's weight: its packed bf16 weight, or its int8 codes, scales and code
+    sums (cpu_kernels.c: layer_linear runs the kernel PackedMatmul runs); the matmul kept alive beside them."""
+    w = matmul.weight
+    weight = (Weight(w.codes.data_ptr(), w.scale.data_ptr(), w.sums.data_ptr()) if matmul.int8
+              else Weight(w.data_ptr(), None, None))
+    weight.matmul = matmul
+    return weight
+
+
+def pointer(operand: torch.Tensor | Weight) -> int:
+    """The address a C layer's field takes: a tensor's data, or a Weight's struct."""
+    return ctypes.addressof(operand) if isinstance(operand, Weight) else operand.data_ptr()
 
 
 class DecoderRows(ctypes.Structure):
@@ -50,17 +72,17 @@ def address(t: torch.Tensor, i: int) -> int:
 
 def kernel_matmul(module, activation: str = "none") -> PackedMatmul | None:
     """The PackedMatmul of a PackedLinear or PackedQKV (which fuses no activation) with `activation` fused, where it
-    runs on the bf16 linear kernel (not int8), else None."""
+    runs on the bf16 or the int8 linear kernel, else None."""
     if not isinstance(module, (PackedLinear, PackedQKV)) or getattr(module, "activation", "none") != activation:
         return None
     matmul = module.matmul
-    return matmul if matmul.kernel and not matmul.int8 else None
+    return matmul if matmul.kernel else None
 
 
-def kernel_linear(module, activation: str = "none") -> torch.Tensor | None:
-    """kernel_matmul's packed bf16 weight where the matmul has no bias, else None."""
+def kernel_linear(module, activation: str = "none") -> Weight | None:
+    """kernel_matmul's weight (weight_of) where the matmul has no bias, else None."""
     matmul = kernel_matmul(module, activation)
-    return matmul.weight if matmul is not None and matmul.bias is None else None
+    return weight_of(matmul) if matmul is not None and matmul.bias is None else None
 
 
 def native_kernels(head_dim: int) -> cpu_kernels.Kernels | None:
@@ -78,7 +100,7 @@ def attends_on_kernel(prefix: PrefixBuffer | None) -> bool:
             and prefix.kernel is not None and not prefix.fused)
 
 
-def layer_weights(layer) -> dict[str, torch.Tensor] | None:
+def layer_weights(layer) -> dict[str, torch.Tensor | Weight] | None:
     """A decoder layer's operands for the C call, or None where one of its pieces does not run on the kernels."""
     a, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -98,7 +120,7 @@ def layer_weights(layer) -> dict[str, torch.Tensor] | None:
 class NativeRows:
     """A block of rows over a PrefixBuffer through every decoder layer, one C call a layer (module docstring)."""
 
-    def __init__(self, function, layers, prefix: PrefixBuffer, weights: list[dict[str, torch.Tensor]]) -> None:
+    def __init__(self, function, layers, prefix: PrefixBuffer, weights: list[dict[str, torch.Tensor | Weight]]) -> None:
         first = layers[0]
         a = first.self_attn
         self._function, self.prefix, self._weights = function, prefix, weights  # the weights kept alive
@@ -120,7 +142,7 @@ class NativeRows:
                                buffer_row=k.stride(2), keys=k.shape[2],
                                block_at=prefix.prefix_tokens + prefix.state_slots, bias=prefix.bias.data_ptr(),
                                bias_row=prefix.bias.stride(0), eps=layers[i].input_layernorm.eps, scale=dim ** -0.5,
-                               **{name: t.data_ptr() for name, t in {**w, **self._work}.items()})
+                               **{name: pointer(t) for name, t in {**w, **self._work}.items()})
             self.calls.append(call)
 
     @classmethod
@@ -162,5 +184,5 @@ class NativeRows:
             call.stage_k, call.stage_v = address(out_k, i), address(out_v, i)
             call.stage_head, call.stage_row = out_k.stride(1), out_k.stride(2)
             if self._function(ctypes.byref(call)) == -1:
-                raise MemoryError("the attention kernel's workspace could not be allocated")
+                raise MemoryError("a kernel's workspace (the attention's, the int8 linear's) could not be allocated")
         return self._x[:n]

@@ -12,9 +12,9 @@ each layer through a callback, as NativeRows' before_layer.
 It runs the tick the node runs between frames that carried their tick: the parallel bins head, the stored states
 fresh (a stale ring is recomputed in the tick's block by the policy's _fused_tick, on NativeRows). NativeHead is its
 last step alone, the bins head on the query rows' final hidden states, which the tick in a frame's pass (and the
-fused tick) runs after its layers. The LM head must be packed for the bf16 linear kernel without a bias and the
-final norm be a bf16 KernelRMSNorm (NativeHead), the state projection packed for it too, with or without a bias
-(NativeTick); `build` returns None elsewhere.
+fused tick) runs after its layers. The LM head must be packed for the bf16 linear kernel or (`weights = "int8"`)
+quantized for the int8 one, without a bias, and the final norm be a bf16 KernelRMSNorm (NativeHead), the state
+projection on a kernel too, with or without a bias (NativeTick); `build` returns None elsewhere.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vla_node.backends import cpu_kernels
-from vla_node.backends.native_rows import DecoderRows, NativeRows, address, kernel_matmul
+from vla_node.backends.native_rows import DecoderRows, NativeRows, address, kernel_matmul, weight_of
 from vla_node.model.action_head import ActionBins
 from vla_node.model.config import ModelConfig
 from vla_node.model.tokenizer import ACT, BIN_BASE
@@ -68,10 +68,11 @@ class NativeHead:
         self._bins = np.zeros(queries, np.int64)
         self._values = np.zeros(queries, np.float32)
         self._shape = (config.action_horizon, config.action_dims)
-        self._keep = (head, bins.low, bins.width, logits)  # what the call's addresses point into (low, width: [D])
+        weight = weight_of(head)
+        self._keep = (weight, bins.low, bins.width, logits)  # what the call's addresses point into (low, width: [D])
         self.call = TickHead(
             queries=queries, width=config.hidden_size, norm=decoder.model.norm.weight.data_ptr(),
-            eps=decoder.model.norm.eps, w_head=head.weight.data_ptr(), vocab=config.vocab_size,
+            eps=decoder.model.norm.eps, w_head=ctypes.addressof(weight), vocab=config.vocab_size,
             h=self._h.data_ptr(), head=self._head.data_ptr(), logits=logits.data_ptr(), bin_base=BIN_BASE,
             bins=config.action_bins, dims=config.action_dims, low=bins.low.ctypes.data, step=bins.width.ctypes.data,
             out_bins=self._bins.ctypes.data, values=self._values.ctypes.data)
@@ -102,7 +103,10 @@ class NativeHead:
             raise ValueError(f"query rows {tuple(hidden.shape)} {hidden.dtype}: expected contiguous bf16 "
                              f"{list(self._h.shape)}")
         self.call.x, self.call.threads = hidden.data_ptr(), torch.get_num_threads()
-        if self._function(ctypes.byref(self.call)) != 0:
+        done = self._function(ctypes.byref(self.call))
+        if done == -1:
+            raise MemoryError("the int8 linear's workspace could not be allocated")
+        if done != 0:
             raise RuntimeError("vla_tick_head_bf16 did not run: the library was not built for this CPU")
         return self.outputs()
 
@@ -120,7 +124,7 @@ class NativeTick:
         for i, call in enumerate(self._calls):
             call.stage_k, call.stage_v = address(out_k, i), address(out_v, i)
             call.stage_head, call.stage_row = out_k.stride(1), out_k.stride(2)
-        state = kernel_matmul(model.state_proj)
+        state = weight_of(kernel_matmul(model.state_proj))
         self.state_row = torch.empty(1, config.hidden_size, dtype=torch.bfloat16)
         self._state = torch.empty(config.state_dim, dtype=torch.bfloat16)
         query = model.decoder.model.embed_tokens.weight.detach()
@@ -131,8 +135,9 @@ class NativeTick:
         self._keep = (rows, state, query)  # what the call's addresses point into
         self._call = TickRows(
             layers=ctypes.addressof(self._calls), count=rows.layers, n=n, state=self._state.data_ptr(),
-            state_dim=config.state_dim, w_state=state.weight.data_ptr(),
-            b_state=None if state.bias is None else state.bias.data_ptr(), state_row=self.state_row.data_ptr(),
+            state_dim=config.state_dim, w_state=ctypes.addressof(state),
+            b_state=None if state.matmul.bias is None else state.matmul.bias.data_ptr(),
+            state_row=self.state_row.data_ptr(),
             query=address(query, ACT), head=head.call)  # (a copy of the head's call: its x is this call's rows)
         self._prefix, self._n = rows.prefix, n
         self._stop, self._no_stop = STOP(self._stop_at), STOP()  # the callback, and a NULL one
@@ -189,7 +194,7 @@ class NativeTick:
         if done == STOPPED:
             raise self._raised
         if done == -1:
-            raise MemoryError("the attention kernel's workspace could not be allocated")
+            raise MemoryError("a kernel's workspace (the attention's, the int8 linear's) could not be allocated")
         if done != 0:
             raise RuntimeError(f"vla_tick_rows_bf16 returned {done}: expected 0 (built for this CPU)")
         return self._head.outputs()

@@ -12,9 +12,9 @@ alternating with the tower cache's own layers in one process, 2026-12-06: 19.73 
 another run 0.99x) on one thread, 13.33 against 13.93 ms (0.96x) on two.
 
 It applies where the tower's own path runs every piece on the CPU kernels: bf16, the q|k|v, output and MLP weights
-packed for the bf16 linear kernel (not int8), the attention on the kernel; the tower cache runs its own layers
-elsewhere. A full refresh runs here too, every row picked (nothing reused: no sample to draw, no move): `small`'s six
-layers on an Intel Xeon with AMX (2 vCPU), 2026-12-07, 6.20 against 6.85 ms.
+packed for the bf16 linear kernel or (`weights = "int8"`) quantized for the int8 one, the attention on the kernel;
+the tower cache runs its own layers elsewhere. A full refresh runs here too, every row picked (nothing reused: no
+sample to draw, no move): `small`'s six layers on an Intel Xeon with AMX (2 vCPU), 2026-12-07, 6.20 against 6.85 ms.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from vla_node.backends.native_rows import address, kernel_matmul, native_kernels
+from vla_node.backends.native_rows import address, kernel_matmul, native_kernels, pointer, weight_of
 from vla_node.backends.packed_weights import PackedGeluMLP
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -41,9 +41,9 @@ class TowerRows(ctypes.Structure):
 
 
 def _packed(module, activation: str) -> dict | None:
-    """kernel_matmul's packed bf16 weight and fp32 bias (or None), else None."""
+    """kernel_matmul's weight (weight_of) and fp32 bias (or None), else None."""
     matmul = kernel_matmul(module, activation)
-    return None if matmul is None else {"weight": matmul.weight, "bias": matmul.bias}
+    return None if matmul is None else {"weight": weight_of(matmul), "bias": matmul.bias}
 
 
 class NativeTower:
@@ -65,7 +65,7 @@ class NativeTower:
             packed = {}
             for name in ("qkv", "o", "fc1", "fc2"):
                 bias = w[name]["bias"]
-                packed.update({f"w_{name}": w[name]["weight"].data_ptr(),
+                packed.update({f"w_{name}": pointer(w[name]["weight"]),
                                f"b_{name}": None if bias is None else bias.data_ptr()})
             self._calls.append(tuple(TowerRows(tokens=tokens, width=width, heads=heads, dim=dim, inter=inter,
                                                part=part, scale=dim ** -0.5, **packed, **work) for part in (0, 1)))
@@ -113,4 +113,4 @@ class NativeTower:
         call.stage_out, call.live_out = address(stage[name], i), address(live[name], i)
         call.threads = torch.get_num_threads()
         if self._function(ctypes.byref(call)) == -1:
-            raise MemoryError("the attention kernel's workspace could not be allocated")
+            raise MemoryError("a kernel's workspace (the attention's, the int8 linear's) could not be allocated")

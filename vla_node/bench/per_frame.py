@@ -118,16 +118,17 @@ def path_name(config: NodeConfig) -> str:
         parts.append(f"attention on the {isa} kernel")
     if s.weight_format == "packed":
         parts.append(f"matmuls on the {isa} linear kernel" if kernel_matmuls() else f"rows padded to {bucket_step()}")
+    elif s.weight_format == "int8":
+        parts.append(f"matmuls on the {'AMX-INT8' if cpu_kernels.amx_int8_tiles() else 'AVX512-VNNI'} int8 linear "
+                     "kernel")
+    if s.weight_format in ("packed", "int8") and kernel_matmuls():  # (int8: any weight it does not fit, bf16's)
         decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
-        if kernel_matmuls() and decoder_kernel is not None:
+        if decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a frame's with INT8 vision storage)")
             if (model.action_decode, model.action_head) == ("parallel", "bins") and not s.resolved_compiled_tick:
                 parts.append("the tick with fresh states whole in one C call")
-        if kernel_matmuls() and tower_kernel:
+        if tower_kernel:
             parts.append("tower layers two C calls each")
-    elif s.weight_format == "int8":
-        isa = "AMX-INT8" if cpu_kernels.amx_int8_tiles() else "AVX512-VNNI"
-        parts.append(f"matmuls on the {isa} int8 linear kernel")
     if s.resolved_compiled_tick:
         parts.append("tick compiled (AOTInductor)")
     return ", ".join(parts)
