@@ -1762,8 +1762,8 @@ int vla_tick_head_f32(const struct tick_head *c) { /* no fp32 form: the Python h
  * layer as vla_decoder_rows_bf16 (the layers' own fields but for n, cos, sin and threads, which are this call's),
  * `stop` asked before each where given (nonzero: stop there); then vla_tick_head_bf16 on the query rows (`head`: its
  * x and threads this call's). The same kernels in the same order as the Python path, so the same bits. Returns 0;
- * -1 when the attention's workspace cannot be allocated; -2 where built without AVX512-BF16; -3 when stop said to
- * stop (before layer `stopped`; nothing after it ran). */
+ * -1 when the attention's or the int8 linear's workspace cannot be allocated; -2 where built without AVX512-BF16;
+ * -3 when stop said to stop (before layer `stopped`; nothing after it ran). */
 struct tick_rows {
     const struct decoder_rows *layers; /* [count] */
     int64_t count, n, threads;
@@ -1824,8 +1824,8 @@ int vla_tick_rows_f32(struct tick_rows *t) { /* no fp32 form: the policy's own t
  *   out = attn Wo^T; stage_attn = shift(live_attn, out[:picked]), the frame's stream += it; extra rows += out[picked:]
  *   mid = x[index]; out = MLP(rms_norm(mid, norm_post)); stage_mlp and the streams likewise
  * The last layer (`last`): the K/V as above, then the extra rows alone through the rest of the layer (their queries
- * at their own rotary rows). Returns 0; -1 when the attention's workspace cannot be allocated; -2 without
- * AVX512-BF16. */
+ * at their own rotary rows). Returns 0; -1 when the attention's or the int8 linear's workspace cannot be allocated;
+ * -2 without AVX512-BF16. */
 struct frame_rows {
     uint16_t *x;
     int64_t tokens, extra, picked, last, width, heads, kv_heads, dim, inter;
@@ -1959,7 +1959,7 @@ int vla_frame_rows_f32(const struct frame_rows *c) { /* no fp32 form: the frame 
  * normed input [picked, width]. part 0, the attention: qkv = h Wqkv^T + b; stage_qkv = shift(live_qkv, qkv) (the
  * three [heads, tokens, dim] at once); attn = attention(q over the staged K/V); stage_attn = shift(live_attn,
  * attn Wo^T + b), x += it. part 1, the MLP: stage_mlp = shift(live_mlp, fc2(gelu_tanh(fc1(h)))), x += it.
- * Returns 0; -1 when the attention's workspace cannot be allocated; -2 without AVX512-BF16. */
+ * Returns 0; -1 when the attention's or the int8 linear's workspace cannot be allocated; -2 without AVX512-BF16. */
 struct tower_rows {
     uint16_t *x; /* [tokens, width] the camera's residual stream */
     int64_t tokens, picked, width, heads, dim, inter, part;
