@@ -623,7 +623,6 @@ def _linear_int8(lib: Kernels, x: torch.Tensor, packed: Int8Weight, out_features
     return y
 
 
-@functools.cache
 def amx_int8_tiles() -> bool:
     """Whether the int8 linear runs on AMX tiles here (amx_tiles, and the library built with AMX-INT8 too): the
     same bits as its AVX512-VNNI path (integer sums are exact in any order), about 1.8x its speed at a frame's
@@ -632,6 +631,7 @@ def amx_int8_tiles() -> bool:
     return lib is not None and lib.amx_int8() == 1
 
 
+@functools.cache
 def int8_linear_kernel() -> bool:
     """Whether the int8 linear kernel runs here (the library built with AVX512-VNNI and AVX512-BF16)."""
     lib = library()

@@ -103,11 +103,11 @@ def path_name(config: NodeConfig) -> str:
     makes it pay (policy.fused_attention_pays), else in bf16 the decoder's and the tower's on the fused CPU kernel
     where it runs (policy.attention_kernels), the packed matmuls on the fused CPU kernels' linear where
     packed_weights.kernel_matmuls says so, else oneDNN's with their rows padded to buckets (packed_weights.RowBuckets:
-    16 rows with AMX, else 8), with the linear kernel and the attention kernel the decoder's layers in one C call
-    each (backends/native_rows.py: the tick's block; native_frame.py: a frame's with the tick in its pass, where the
-    vision partition is INT8) and the tower's in two (native_tower.py: a refresh), a tick with the
-    stored states fresh whole in one (native_tick.py: the parallel bins head, not compiled), and the tick compiled
-    where model.compiled_tick resolves on (eager_policy checks that these ran)."""
+    16 rows with AMX, else 8), with the linear kernel (bf16, or int8 with int8 weights) and the attention kernel the
+    decoder's layers in one C call each (backends/native_rows.py: the tick's block; native_frame.py: a frame's with
+    the tick in its pass, where the vision partition is INT8) and the tower's in two (native_tower.py: a refresh), a
+    tick with the stored states fresh whole in one (native_tick.py: the parallel bins head, not compiled), and the
+    tick compiled where model.compiled_tick resolves on (eager_policy checks that these ran)."""
     s = config.model
     model, dtype, device = s.model_config(), dtype_named(s.resolved_dtype), torch.device(s.device)
     parts = [f"{s.resolved_dtype} compute", f"{s.weight_format} weights"]
@@ -121,7 +121,8 @@ def path_name(config: NodeConfig) -> str:
     elif s.weight_format == "int8":
         parts.append(f"matmuls on the {'AMX-INT8' if cpu_kernels.amx_int8_tiles() else 'AVX512-VNNI'} int8 linear "
                      "kernel")
-    if s.weight_format in ("packed", "int8") and kernel_matmuls():  # (int8: any weight it does not fit, bf16's)
+    # the native layers: with int8 weights too, where a weight int8 does not fit stays bf16 on the bf16 kernel
+    if s.weight_format in ("packed", "int8") and kernel_matmuls():
         decoder_kernel, tower_kernel = attention_kernels(model, dtype, device)
         if decoder_kernel is not None:
             parts.append("decoder layers one C call each (the tick's; a frame's with INT8 vision storage)")
