@@ -201,3 +201,24 @@ def test_on_amx_tiles_the_kernel_is_as_near_fp64_as_its_vector_path_and_a_bf16_s
             assert not torch.equal(tiles, vector), "the switch did not change the path"
         assert_within(tiles.float(), vector.float(), bf16_ulp(vector), f"tiles against the vector path ({op})")
         assert relative_error(tiles, want) <= max(1.1 * relative_error(vector, want), 2 ** -9), op
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [17, 20, 32, 33, 61, 196])
+@pytest.mark.parametrize("k, n", [(48, 40), (512, 512), (588, 96), (1536, 512)])
+def test_on_amx_tiles_a_row_gets_the_same_bits_in_any_call(rows, k, n):
+    """The tiles sum each row on its own: the last two blocks in one pass (17 to 32 rows: linear_amx_pair, the second
+    block's rows copied into zeros), the threads splitting the rows or the columns (linear_amx_row_parts) and blocks
+    of any size give a row the bits it gets in a call of its own 16-row block, or alone."""
+    x, weight, bias, other = linear_inputs(rows, k, n, seed=rows + k + n)
+    packed = cpu_kernels.pack_linear(weight)
+    with torch.inference_mode():
+        for op in OPS:
+            mul = op == "mul"
+            whole = cpu_kernels.linear(x, packed, n, bias.float(), op, other if mul else None)
+            for first in range(0, rows, 16):
+                block = slice(first, min(first + 16, rows))
+                alone = cpu_kernels.linear(x[block], packed, n, bias.float(), op, other[block] if mul else None)
+                assert torch.equal(whole[block], alone), f"rows {block} of {rows} ({op})"
+            last = cpu_kernels.linear(x[-1:], packed, n, bias.float(), op, other[-1:] if mul else None)
+            assert torch.equal(whole[-1:], last), f"the last row of {rows} ({op})"

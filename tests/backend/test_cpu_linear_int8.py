@@ -43,12 +43,13 @@ def test_the_kernel_computes_its_quantized_arithmetic_and_costs_about_a_percent(
 @needs_int8
 @pytest.mark.skipif("amx_int8" not in cpu_features.cpu_flags(cpu_features.read_cpuinfo()),
                     reason=f"the int8 linear runs on AMX tiles only on a CPU with AMX-INT8 ({cpu_features.describe()})")
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 196])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 40, 196])
 @pytest.mark.parametrize("k, n", [(4, 58), (68, 40), (512, 768), (588, 96), (1536, 512)])
 def test_on_amx_tiles_the_kernel_gives_its_vector_paths_bits(rows, k, n):
-    """Blocks of 16 rows and the rest, k by 64 on the tiles and the rest (k = 4, 68, 588) by the vector product, a
-    tail of columns, every op with a bias: the integer sums are exact in any order, so the tiles give the AVX512-VNNI
-    path's bits (its switch, amx(0), turns the tiles off for the int8 linear too)."""
+    """Blocks of 16 rows and the rest (the last two in one pass where they are 17 to 32 rows), k by 64 on the tiles
+    and the rest (k = 4, 68, 588) by the vector product, a tail of columns, every op with a bias: the integer sums are
+    exact in any order, so the tiles give the AVX512-VNNI path's bits (its switch, amx(0), turns the tiles off for the
+    int8 linear too)."""
     lib = cpu_kernels.library()
     assert lib is not None, cpu_kernels.status()  # a library that failed its self-check fails here
     if lib.amx(-1) != 1:

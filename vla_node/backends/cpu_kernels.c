@@ -1097,6 +1097,26 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
 }
 
 #if VLA_AMX
+/* The stored sums acc [rows][LINEAR_TILE] of a block of rows x: plus the k past the tiles (the vector product), then
+ * the bias, the op and one rounding (linear_store). */
+static inline __attribute__((always_inline)) void linear_amx_store(
+        const float *acc, const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
+        const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, int rows, const int vectors) {
+    const int64_t tiled = k / 32 * 32;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) {
+            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
+            __m512 s = _mm512_load_ps(acc + r * LINEAR_TILE + v * VL);
+            for (int64_t p = tiled / 2; p < k / 2; p++) {
+                int32_t pair;
+                memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_set1_epi32(pair),
+                                     (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL));
+            }
+            linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
+        }
+}
+
 /* The same linear on AMX tiles, where the CPU has them and the kernel lets this process use them: a 16 x 16 fp32
  * accumulator tile per vector of a column tile (tmm0-2), a block of up to 16 rows x 32 values of x (tmm4) and the
  * weight's 16 pairs of k x 16 columns (tmm5-7) as they lie in the packed tile: vla_pack_linear_bf16's [k / 2][cols][2]
@@ -1130,27 +1150,73 @@ static inline __attribute__((always_inline)) void linear_amx_block(
     _tile_stored(0, acc, LINEAR_TILE * 4);
     if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
     if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < vectors; v++) {
-            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
-            __m512 s = _mm512_load_ps(acc + r * LINEAR_TILE + v * VL);
-            for (int64_t p = tiled / 2; p < k / 2; p++) {
-                int32_t pair;
-                memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
-                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_set1_epi32(pair),
-                                     (__m512bh)_mm512_loadu_si512(tile + (p * vectors + v) * 2 * VL));
-            }
-            linear_store(s, bias, op, other, ldo, y, ldy, r, v, lanes);
-        }
+    linear_amx_store(acc, x, ldx, tile, k, bias, op, other, ldo, y, ldy, tail, rows, vectors);
 }
 
-/* linear_bf16_range on the tiles: blocks of 16 rows (the last the rest) down each column tile. */
+/* Two blocks of rows down a column tile in one pass, 16 rows x and the next `rows` (1 to 16) below them: each step's
+ * weight is loaded from memory once, for the first block, and again from L1 for the second (tmm0-2 and tmm3-5 their
+ * sums, tmm6 the rows, tmm7 the weight; every tile configured for 16 rows, the second block's rows copied into
+ * zeros). The same products in the same order as two linear_amx_block calls, so the same bits. A tick's 17 rows:
+ * without it the 17th row's block reread every tile from L2; an Intel Xeon with AMX (2 vCPU), two threads, a tick's
+ * linears (8 layers' five, 48 MB in turn) 1.49-1.62 ms against 1.72-1.79 (16 rows: 1.37-1.48). */
+static inline __attribute__((always_inline)) void linear_amx_pair(
+        const uint16_t *x, int64_t ldx, const uint16_t *tile, int64_t k, const float *bias, int op,
+        const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, int rows, const int vectors) {
+    float acc[AMX_ROWS * LINEAR_TILE] __attribute__((aligned(64))); /* [rows][vectors * VL] */
+    uint16_t rest[AMX_ROWS * 32] __attribute__((aligned(64)));      /* the second block's 32 values of k, padded */
+    const uint16_t *x1 = x + AMX_ROWS * ldx;
+    const int64_t tiled = k / 32 * 32, stride = vectors * 64;
+    memset(rest, 0, sizeof rest);
+    _tile_zero(0);
+    _tile_zero(3);
+    if (vectors > 1) { _tile_zero(1); _tile_zero(4); }
+    if (vectors > 2) { _tile_zero(2); _tile_zero(5); }
+    for (int64_t k0 = 0; k0 < tiled; k0 += 32) {
+        const uint16_t *w = tile + k0 / 2 * vectors * 2 * VL;
+        _tile_loadd(6, x + k0, ldx * 2);
+        _tile_loadd(7, w, stride);
+        _tile_dpbf16ps(0, 6, 7);
+        if (vectors > 1) {
+            _tile_loadd(7, w + 2 * VL, stride);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+        if (vectors > 2) {
+            _tile_loadd(7, w + 4 * VL, stride);
+            _tile_dpbf16ps(2, 6, 7);
+        }
+        for (int r = 0; r < rows; r++) _mm512_store_si512(rest + r * 32, _mm512_loadu_si512(x1 + r * ldx + k0));
+        _tile_loadd(6, rest, 64);
+        _tile_loadd(7, w, stride);
+        _tile_dpbf16ps(3, 6, 7);
+        if (vectors > 1) {
+            _tile_loadd(7, w + 2 * VL, stride);
+            _tile_dpbf16ps(4, 6, 7);
+        }
+        if (vectors > 2) {
+            _tile_loadd(7, w + 4 * VL, stride);
+            _tile_dpbf16ps(5, 6, 7);
+        }
+    }
+    _tile_stored(0, acc, LINEAR_TILE * 4);
+    if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
+    if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+    linear_amx_store(acc, x, ldx, tile, k, bias, op, other, ldo, y, ldy, tail, AMX_ROWS, vectors);
+    _tile_stored(3, acc, LINEAR_TILE * 4);
+    if (vectors > 1) _tile_stored(4, acc + VL, LINEAR_TILE * 4);
+    if (vectors > 2) _tile_stored(5, acc + 2 * VL, LINEAR_TILE * 4);
+    linear_amx_store(acc, x1, ldx, tile, k, bias, op, other ? other + AMX_ROWS * ldo : NULL, ldo, y + AMX_ROWS * ldy,
+                     ldy, tail, rows, vectors);
+}
+
+/* linear_bf16_range on the tiles: blocks of 16 rows (the last the rest) down each column tile, the last two in one
+ * pass where they are 17 to 32 rows (linear_amx_pair). */
 static void linear_amx_range(const struct linear_call *call, int64_t row0, int64_t m, int64_t first, int64_t last) {
     const uint16_t *x = call->x + row0 * call->ldx, *packed = call->packed;
     const uint16_t *other = call->other ? call->other + row0 * call->ldo : NULL;
     const int64_t ldx = call->ldx, k = call->k, ldo = call->ldo, ldy = call->ldy;
     const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
     uint16_t *y = call->y + row0 * ldy;
+    const int op = call->op;
     int configured = 0; /* the rows the tiles are configured for (0: none yet) */
     for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
@@ -1158,18 +1224,22 @@ static void linear_amx_range(const struct linear_call *call, int64_t row0, int64
         const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
         const uint16_t *tile = packed + n0 * k;
         const float *b = call->bias ? call->bias + n0 : NULL;
+#define AMX_BLOCKS(F, ROWS) (vectors == 3   ? F(x + r0 * ldx, ldx, tile, k, b, op, o, ldo, out, ldy, tail, ROWS, 3) \
+                             : vectors == 2 ? F(x + r0 * ldx, ldx, tile, k, b, op, o, ldo, out, ldy, tail, ROWS, 2) \
+                                            : F(x + r0 * ldx, ldx, tile, k, b, op, o, ldo, out, ldy, tail, ROWS, 1))
         for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
-            const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
-            if (rows != configured) amx_configure(configured = rows);
             const uint16_t *o = other ? other + r0 * ldo + n0 : NULL;
             uint16_t *out = y + r0 * ldy + n0;
-            if (vectors == 3)
-                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 3);
-            else if (vectors == 2)
-                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 2);
-            else
-                linear_amx_block(x + r0 * ldx, ldx, tile, k, b, call->op, o, ldo, out, ldy, tail, rows, 1);
+            if (m - r0 > AMX_ROWS && m - r0 <= 2 * AMX_ROWS) { /* the last two blocks, 17 to 32 rows: one pass */
+                if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
+                AMX_BLOCKS(linear_amx_pair, (int)(m - r0 - AMX_ROWS));
+                break;
+            }
+            const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
+            if (rows != configured) amx_configure(configured = rows);
+            AMX_BLOCKS(linear_amx_block, rows);
         }
+#undef AMX_BLOCKS
     }
     if (configured) _tile_release();
 }
@@ -1202,13 +1272,17 @@ static int64_t linear_row_parts(int64_t m, int64_t tiles, int64_t threads) {
     return threads > 1 && tiles % threads && m >= threads * LINEAR_SPLIT_ROWS ? threads : 1;
 }
 
-/* On AMX tiles a block of 16 rows costs the same at any row count, so the threads split the rows only where that
- * takes fewer block passes over the slowest thread's tiles than splitting the columns (a frame's K or V, 196 x 512
- * -> 128: 3 tiles, 7 blocks each against 2 x 13). */
+/* On AMX tiles a block of 16 rows costs the same at any row count, and a thread's first block down a column tile
+ * streams the tile from memory (about as long again), the blocks after read it from its cache: so the threads split
+ * the rows only where that takes less of those passes on the slowest thread than splitting the columns (a frame's
+ * K or V, 196 x 512 -> 128: 3 tiles, 7 + 1 passes each against 2 x (13 + 1); a tick's 17 x 512 -> 512 keeps the
+ * columns: 6 x (2 + 1) against 11 x (1 + 1), which each thread would stream whole). An Intel Xeon with AMX (2 vCPU),
+ * us, six weights in turn, the columns against the rows: 17 x 512 -> 512 19 / 28, 17 x 1536 -> 512 58 / 80, 61 x
+ * 1536 -> 512 86 / 117; the rows against the columns: 61 x 512 -> 128 8.2 / 10.2, 196 x 512 -> 128 22 / 25. */
 static int64_t linear_amx_row_parts(int64_t m, int64_t tiles, int64_t threads) {
     if (threads < 2) return 1;
-    const int64_t by_columns = (tiles + threads - 1) / threads * ((m + AMX_ROWS - 1) / AMX_ROWS);
-    const int64_t by_rows = tiles * (((m + threads - 1) / threads + AMX_ROWS - 1) / AMX_ROWS);
+    const int64_t by_columns = (tiles + threads - 1) / threads * ((m + AMX_ROWS - 1) / AMX_ROWS + 1);
+    const int64_t by_rows = tiles * (((m + threads - 1) / threads + AMX_ROWS - 1) / AMX_ROWS + 1);
     return by_rows < by_columns ? threads : 1;
 }
 
@@ -1370,15 +1444,41 @@ static void linear_s8_tiles(const void *arg, int64_t first, int64_t last) {
  * row) against the packed tile's 16 quads of k x 16 columns (tmm5-7: vla_pack_linear_s8_bf16's [k / 4][cols][4] is
  * the layout the tile product reads), the unsigned x signed byte products summed in int32 accumulator tiles (tmm0-2);
  * k past the last multiple of 64 by the byte dot-product instruction on the stored sums, then linear_s8_block's
- * epilogue. Integer sums are exact in any order: the same bits as the vector kernel. */
+ * epilogue (linear_s8_amx_store); the last two blocks in one pass where they are 17 to 32 rows, as the bf16 linear's
+ * (linear_amx_pair). Integer sums are exact in any order: the same bits as the vector kernel. Two threads, the
+ * whole int8 tick 2.25-2.28 ms against 2.15-2.20 with the pass (an Intel Xeon with AMX, 2 vCPU, alternating). */
+static void linear_s8_amx_store(const struct linear_call *call, const int32_t *acc, const uint8_t *x, int64_t r0,
+                                int64_t n0, int rows, int vectors, __mmask16 tail) {
+    const int8_t *tile = (const int8_t *)call->packed + n0 * call->k;
+    const int64_t k = call->k, kp = call->kp, ldo = call->ldo, ldy = call->ldy, tiled = k / 64 * 64;
+    const float *row_scale = call->row_scale + r0, *bias = call->bias ? call->bias + n0 : NULL;
+    const uint16_t *other = call->other ? call->other + r0 * ldo + n0 : NULL;
+    uint16_t *y = call->y + r0 * ldy + n0;
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vectors; v++) {
+            const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
+            __m512i sum = _mm512_load_si512(acc + r * LINEAR_TILE + v * VL);
+            for (int64_t p = tiled / 4; p < k / 4; p++) {
+                int32_t quad;
+                memcpy(&quad, x + r * kp + 4 * p, sizeof quad);
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(quad),
+                                          _mm512_loadu_si512(tile + (p * vectors + v) * 4 * VL));
+            }
+            linear_s8_store(sum, row_scale[r], call->scale + n0, call->sums + n0, bias, call->op, other, ldo, y, ldy,
+                            r, v, lanes);
+        }
+}
+
 static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
     const struct linear_call *call = arg;
     const uint8_t *codes = call->codes;
     const int8_t *packed = call->packed;
-    const int64_t m = call->m, k = call->k, kp = call->kp, ldo = call->ldo, ldy = call->ldy, tiled = k / 64 * 64;
+    const int64_t m = call->m, k = call->k, kp = call->kp, tiled = k / 64 * 64;
     const int64_t n = call->n < last * LINEAR_TILE ? call->n : last * LINEAR_TILE;
     int32_t acc[AMX_ROWS * LINEAR_TILE] __attribute__((aligned(64))); /* [rows][vectors * VL] */
+    uint8_t rest[AMX_ROWS * 64] __attribute__((aligned(64)));        /* a second block's 64 values of k, padded */
     int configured = 0; /* the rows the tiles are configured for (0: none yet) */
+    memset(rest, 0, sizeof rest);
     for (int64_t n0 = first * LINEAR_TILE; n0 < n; n0 += LINEAR_TILE) {
         const int64_t cols = n - n0 < LINEAR_TILE ? n - n0 : LINEAR_TILE;
         const int vectors = (int)((cols + VL - 1) / VL);
@@ -1386,9 +1486,54 @@ static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
         const __mmask16 tail = cols % VL ? (__mmask16)((1u << (cols % VL)) - 1) : 0xffff;
         const int8_t *tile = packed + n0 * k;
         for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+            const uint8_t *x = codes + r0 * kp, *x1 = x + AMX_ROWS * kp;
+            if (m - r0 > AMX_ROWS && m - r0 <= 2 * AMX_ROWS) { /* the last two blocks in one pass, as the bf16 linear's
+                                                                  linear_amx_pair: tmm0-2 and tmm5-7 their sums */
+                const int second = (int)(m - r0 - AMX_ROWS);
+                if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
+                _tile_zero(0);
+                _tile_zero(5);
+                if (vectors > 1) { _tile_zero(1); _tile_zero(6); }
+                if (vectors > 2) { _tile_zero(2); _tile_zero(7); }
+                for (int64_t k0 = 0; k0 < tiled; k0 += 64) {
+                    const int8_t *w = tile + k0 / 4 * stride;
+                    _tile_loadd(4, x + k0, kp);
+                    _tile_loadd(3, w, stride);
+                    _tile_dpbusd(0, 4, 3);
+                    if (vectors > 1) {
+                        _tile_loadd(3, w + 64, stride);
+                        _tile_dpbusd(1, 4, 3);
+                    }
+                    if (vectors > 2) {
+                        _tile_loadd(3, w + 128, stride);
+                        _tile_dpbusd(2, 4, 3);
+                    }
+                    for (int r = 0; r < second; r++)
+                        _mm512_store_si512(rest + r * 64, _mm512_loadu_si512(x1 + r * kp + k0));
+                    _tile_loadd(4, rest, 64);
+                    _tile_loadd(3, w, stride);
+                    _tile_dpbusd(5, 4, 3);
+                    if (vectors > 1) {
+                        _tile_loadd(3, w + 64, stride);
+                        _tile_dpbusd(6, 4, 3);
+                    }
+                    if (vectors > 2) {
+                        _tile_loadd(3, w + 128, stride);
+                        _tile_dpbusd(7, 4, 3);
+                    }
+                }
+                _tile_stored(0, acc, LINEAR_TILE * 4);
+                if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
+                if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+                linear_s8_amx_store(call, acc, x, r0, n0, AMX_ROWS, vectors, tail);
+                _tile_stored(5, acc, LINEAR_TILE * 4);
+                if (vectors > 1) _tile_stored(6, acc + VL, LINEAR_TILE * 4);
+                if (vectors > 2) _tile_stored(7, acc + 2 * VL, LINEAR_TILE * 4);
+                linear_s8_amx_store(call, acc, x1, r0 + AMX_ROWS, n0, second, vectors, tail);
+                break;
+            }
             const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
             if (rows != configured) amx_configure(configured = rows);
-            const uint8_t *x = codes + r0 * kp;
             _tile_zero(0);
             if (vectors > 1) _tile_zero(1);
             if (vectors > 2) _tile_zero(2);
@@ -1409,22 +1554,7 @@ static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
             _tile_stored(0, acc, LINEAR_TILE * 4);
             if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
             if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
-            const float *row_scale = call->row_scale + r0, *bias = call->bias ? call->bias + n0 : NULL;
-            const uint16_t *other = call->other ? call->other + r0 * ldo + n0 : NULL;
-            uint16_t *y = call->y + r0 * ldy + n0;
-            for (int r = 0; r < rows; r++)
-                for (int v = 0; v < vectors; v++) {
-                    const __mmask16 lanes = v == vectors - 1 ? tail : 0xffff;
-                    __m512i sum = _mm512_load_si512(acc + r * LINEAR_TILE + v * VL);
-                    for (int64_t p = tiled / 4; p < k / 4; p++) {
-                        int32_t quad;
-                        memcpy(&quad, x + r * kp + 4 * p, sizeof quad);
-                        sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(quad),
-                                                  _mm512_loadu_si512(tile + (p * vectors + v) * 4 * VL));
-                    }
-                    linear_s8_store(sum, row_scale[r], call->scale + n0, call->sums + n0, bias, call->op, other, ldo,
-                                    y, ldy, r, v, lanes);
-                }
+            linear_s8_amx_store(call, acc, x, r0, n0, rows, vectors, tail);
         }
     }
     if (configured) _tile_release();
