@@ -252,9 +252,7 @@ def _stage_cases(policy: MultiRatePolicy, image: np.ndarray, state: np.ndarray, 
 
 def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype: str, rounds: int = 8) -> dict:
     """The tick and the full-refresh frame (with its tick) per backend, interleaved round by round, and each eager
-    stage against its floor at its own dtype and weights (bench/floor.py). Each case is timed where it comes in the
-    round, after the other cases (`ms`: the figure ratio_to_floor and the targets take), and again at once, after
-    itself (`ms_again`: what it read still in the caches, as the floor's bandwidth term assumes; `ratio_again`)."""
+    stage against its floor at its own dtype and weights (bench/floor.py)."""
     eager = [compute_config(config, dtype)]
     if eager[0].model.resolved_dtype != "fp32":
         eager.append(compute_config(config, "fp32"))
@@ -272,7 +270,6 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
     samplers = {f"torch {path_name(e)}: {stage}": path_floor(c, stage, e)
                 for e in eager for stage in ("tick", "frame")}
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
-    again: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
     order = [*cases, None]  # None: the floors' samples, once a round (the machine as the stages see it)
     for index in range(rounds):
         for key in round_order(order, index):  # no case always after the same one
@@ -282,17 +279,12 @@ def stage_figures(config: NodeConfig, image: np.ndarray, instruction: str, dtype
                 continue
             t0 = time.perf_counter_ns()
             cases[key]()
-            t1 = time.perf_counter_ns()
-            cases[key]()
-            samples[key].append((t1 - t0) / 1e6)
-            again[key].append((time.perf_counter_ns() - t1) / 1e6)
-    ms, ms_again = ({f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in times.items()}
-                    for times in (samples, again))
+            samples[key].append((time.perf_counter_ns() - t0) / 1e6)
+    ms = {f"{b}: {s}": round(statistics.median(v[1:]), 2) for (b, s), v in samples.items()}
     floors = {}
     for key, sampler in samplers.items():
         floor = sampler.floor()
-        floor["stage_ms"], floor["stage_ms_again"] = ms[key], ms_again[key]
+        floor["stage_ms"] = ms[key]
         floor["ratio_to_floor"] = round(floor["stage_ms"] / floor["floor_ms"], 2)
-        floor["ratio_again"] = round(floor["stage_ms_again"] / floor["floor_ms"], 2)
         floors[key] = floor
-    return {"rounds": rounds, "ms": ms, "ms_again": ms_again, "floor": floors}
+    return {"rounds": rounds, "ms": ms, "floor": floors}

@@ -53,15 +53,13 @@ def _sections(r: dict) -> list[tuple[str, list[str]]]:
                                     f["floor_ms"], f["bound"], f["contender"],
                                     f["ratio_to_floor"], f["peer_over_floor"])
                                    for key, f in m.items() if key in ("floor", "int8_floor"))])))
-    out.append(("Stages by backend (ms, median of interleaved rounds; again: the same case run again at once)",
-                _table([("backend: stage", "ms", "ms again"),
-                        *((k, v, s["ms_again"][k]) for k, v in s["ms"].items())])))
+    out.append(("Stages by backend (ms, median of interleaved rounds)",
+                _table([("backend: stage", "ms"), *s["ms"].items()])))
     out.append(("Stages against their floor",
                 _table([("backend: stage", "GFLOP", "MB read", "matrix GFLOP/s", "GB/s", "floor ms", "bound",
-                         "stage ms", "ratio to floor", "stage ms again", "ratio again"),
+                         "stage ms", "ratio to floor"),
                         *((k, f["gflop"], round(f["weight_mb"] + f["kv_mb"], 2), f["matrix_gflops"], f["bandwidth_gbs"],
-                           f["floor_ms"], f["bound"], f["stage_ms"], f["ratio_to_floor"], f["stage_ms_again"],
-                           f["ratio_again"])
+                           f["floor_ms"], f["bound"], f["stage_ms"], f["ratio_to_floor"])
                           for k, f in s["floor"].items())])
                 + ["", "How it is counted: " + " ".join((floor.__doc__ or "").split())]))
     if r.get("node"):
