@@ -65,7 +65,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from vla_node.backends import cpu_features
+from vla_node.backends import cpu_features, huge_pages
 from vla_node.kv import quant
 from vla_node.model import decoder
 from vla_node.model.decoder import RMSNorm
@@ -485,7 +485,7 @@ def _pack_linear(lib: Kernels, weight: torch.Tensor) -> torch.Tensor | None:
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"the linear kernel takes weights [N, K] with K even (linear_fits), got {n} x {k}")
-    packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+    packed = huge_pages.empty(-(-n // 16) * 16 * k, torch.bfloat16)
     done = lib.pack_linear[torch.bfloat16](weight.contiguous().data_ptr(), n, k, packed.data_ptr())
     return packed if done == 0 else None
 
@@ -601,7 +601,7 @@ def _pack_linear_int8(lib: Kernels, weight: torch.Tensor) -> Int8Weight | None:
         raise ValueError(f"the int8 linear kernel takes weights [N, K] with K a multiple of 4 (int8_linear_fits), "
                          f"got {n} x {k}")
     columns = -(-n // 16) * 16
-    packed = Int8Weight(torch.empty(columns * k, dtype=torch.int8), torch.empty(columns),
+    packed = Int8Weight(huge_pages.empty(columns * k, torch.int8), torch.empty(columns),
                         torch.empty(columns, dtype=torch.int32))
     done = lib.pack_linear_s8[torch.bfloat16](weight.contiguous().data_ptr(), n, k, packed.codes.data_ptr(),
                                                packed.scale.data_ptr(), packed.sums.data_ptr())
