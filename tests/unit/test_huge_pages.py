@@ -40,11 +40,21 @@ def test_tensors_start_on_their_own_pages_from_a_2mb_boundary_and_keep_their_map
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
                     reason=f"transparent huge pages are {_thp_mode()!r} here (madvise or always backs them)")
 def test_a_written_mapping_is_backed_by_huge_pages():
-    def huge_kb() -> int:
-        with open("/proc/self/smaps_rollup") as f:
-            return int(next(line for line in f if line.startswith("AnonHugePages:")).split()[1])
-
-    before = huge_kb()
     tensor = huge_pages.HugePageArena(chunk=8 << 20).empty(4 << 20, torch.int8)
     tensor.fill_(1)  # faulted in now
-    assert huge_kb() - before >= 2048  # at least one 2 MB page (the kernel may back the rest later or not at all)
+    # its own mapping's huge pages (the process's total moves with whatever else is freed meanwhile)
+    assert _huge_kb_of_mapping(tensor.data_ptr()) >= 2048  # at least one 2 MB page (the rest may come later or not)
+
+
+def _huge_kb_of_mapping(address: int) -> int:
+    """AnonHugePages of the /proc/self/smaps mapping holding `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
