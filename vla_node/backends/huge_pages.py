@@ -36,7 +36,7 @@ class HugePageArena:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized 1-D tensor of `numel` elements on huge pages."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         need = -(-max(nbytes, 1) // ALIGN) * ALIGN
         with self._lock:
             if self._map is None or self._used + need > self._size:
