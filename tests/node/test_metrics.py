@@ -3,6 +3,7 @@ own parser, shows the counts of the node's health message; names follow Promethe
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -17,6 +18,21 @@ def scrape(port: int) -> dict[str, list]:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
     return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def scrape_since(port: int, health: dict, timeout_s: float = 5.0) -> dict[str, list]:
+    """A scrape that shows `health` or a later health message. The node's metrics listener and the test's client are
+    two subscribers of the same health topic, so a scrape made as soon as `health` reached the test may still show
+    the message before it (ticks counted since then missing)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        families = scrape(port)
+        shown = value(families, "vla_node_uptime_seconds")
+        if shown >= health["uptime_s"]:
+            return families
+        assert time.monotonic() < end, f"/metrics still shows uptime {shown} s after {timeout_s} s: expected the " \
+                                       f"health message of uptime {health['uptime_s']} s or a later one"
+        time.sleep(0.05)
 
 
 def value(families, name: str, **labels) -> float:
@@ -40,7 +56,7 @@ def test_metrics_scraped_mid_run_match_health(tmp_path):
         # frames stopped: the worker's counters settle; the next health message says them, and so does /metrics
         first = node.health(until=lambda h: h["rejected"] >= 2)
         health = node.health(until=lambda h: h["cameras"]["front"] == first["cameras"]["front"])
-        families = scrape(port)
+        families = scrape_since(port, health)
         after = node.health()
 
     cam = health["cameras"]["front"]
