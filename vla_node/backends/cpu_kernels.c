@@ -1097,6 +1097,37 @@ static void linear_bf16_range(const struct linear_call *call, int64_t row0, int6
 }
 
 #if VLA_AMX
+/* A column tile's `vectors` accumulator tiles S0, S1, S2 (literal tile numbers: gcc's tile intrinsics spell them into
+ * the instruction): zeroed, and stored into acc [rows][LINEAR_TILE] (the AMX linears, bf16 and int8). */
+#define AMX_ZERO_SUMS(S0, S1, S2, vectors) \
+    do {                                   \
+        _tile_zero(S0);                    \
+        if ((vectors) > 1) _tile_zero(S1); \
+        if ((vectors) > 2) _tile_zero(S2); \
+    } while (0)
+#define AMX_STORE_SUMS(S0, S1, S2, acc, vectors)                               \
+    do {                                                                       \
+        _tile_stored(S0, (acc), LINEAR_TILE * 4);                              \
+        if ((vectors) > 1) _tile_stored(S1, (acc) + VL, LINEAR_TILE * 4);      \
+        if ((vectors) > 2) _tile_stored(S2, (acc) + 2 * VL, LINEAR_TILE * 4);  \
+    } while (0)
+/* The products DP of the rows in tile X with a column tile's `vectors` weights at w (64 bytes apart, a row of k every
+ * `stride` bytes) into the sums S0, S1, S2, each weight loaded through the one tile W: the pair passes', whose second
+ * block loads them again from L1 (linear_amx_pair, linear_s8_amx_tiles). */
+#define AMX_PRODUCTS(DP, S0, S1, S2, X, W, w, stride, vectors)        \
+    do {                                                              \
+        _tile_loadd(W, (w), (stride));                                \
+        DP(S0, X, W);                                                 \
+        if ((vectors) > 1) {                                          \
+            _tile_loadd(W, (const char *)(w) + 64, (stride));         \
+            DP(S1, X, W);                                             \
+        }                                                             \
+        if ((vectors) > 2) {                                          \
+            _tile_loadd(W, (const char *)(w) + 128, (stride));        \
+            DP(S2, X, W);                                             \
+        }                                                             \
+    } while (0)
+
 /* The stored sums acc [rows][LINEAR_TILE] of a block of rows x: plus the k past the tiles (the vector product), then
  * the bias, the op and one rounding (linear_store). */
 static inline __attribute__((always_inline)) void linear_amx_store(
@@ -1130,9 +1161,7 @@ static inline __attribute__((always_inline)) void linear_amx_block(
         const uint16_t *other, int64_t ldo, uint16_t *y, int64_t ldy, __mmask16 tail, int rows, const int vectors) {
     float acc[AMX_ROWS * LINEAR_TILE] __attribute__((aligned(64))); /* [rows][vectors * VL] */
     const int64_t tiled = k / 32 * 32, stride = vectors * 64;      /* values by the tiles; bytes a pair of k */
-    _tile_zero(0);
-    if (vectors > 1) _tile_zero(1);
-    if (vectors > 2) _tile_zero(2);
+    AMX_ZERO_SUMS(0, 1, 2, vectors);
     for (int64_t k0 = 0; k0 < tiled; k0 += 32) {
         const uint16_t *w = tile + k0 / 2 * vectors * 2 * VL;
         _tile_loadd(4, x + k0, ldx * 2);
@@ -1147,9 +1176,7 @@ static inline __attribute__((always_inline)) void linear_amx_block(
             _tile_dpbf16ps(2, 4, 7);
         }
     }
-    _tile_stored(0, acc, LINEAR_TILE * 4);
-    if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
-    if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+    AMX_STORE_SUMS(0, 1, 2, acc, vectors);
     linear_amx_store(acc, x, ldx, tile, k, bias, op, other, ldo, y, ldy, tail, rows, vectors);
 }
 
@@ -1167,43 +1194,19 @@ static inline __attribute__((always_inline)) void linear_amx_pair(
     const uint16_t *x1 = x + AMX_ROWS * ldx;
     const int64_t tiled = k / 32 * 32, stride = vectors * 64;
     memset(rest, 0, sizeof rest);
-    _tile_zero(0);
-    _tile_zero(3);
-    if (vectors > 1) { _tile_zero(1); _tile_zero(4); }
-    if (vectors > 2) { _tile_zero(2); _tile_zero(5); }
+    AMX_ZERO_SUMS(0, 1, 2, vectors);
+    AMX_ZERO_SUMS(3, 4, 5, vectors);
     for (int64_t k0 = 0; k0 < tiled; k0 += 32) {
         const uint16_t *w = tile + k0 / 2 * vectors * 2 * VL;
         _tile_loadd(6, x + k0, ldx * 2);
-        _tile_loadd(7, w, stride);
-        _tile_dpbf16ps(0, 6, 7);
-        if (vectors > 1) {
-            _tile_loadd(7, w + 2 * VL, stride);
-            _tile_dpbf16ps(1, 6, 7);
-        }
-        if (vectors > 2) {
-            _tile_loadd(7, w + 4 * VL, stride);
-            _tile_dpbf16ps(2, 6, 7);
-        }
+        AMX_PRODUCTS(_tile_dpbf16ps, 0, 1, 2, 6, 7, w, stride, vectors);
         for (int r = 0; r < rows; r++) _mm512_store_si512(rest + r * 32, _mm512_loadu_si512(x1 + r * ldx + k0));
         _tile_loadd(6, rest, 64);
-        _tile_loadd(7, w, stride);
-        _tile_dpbf16ps(3, 6, 7);
-        if (vectors > 1) {
-            _tile_loadd(7, w + 2 * VL, stride);
-            _tile_dpbf16ps(4, 6, 7);
-        }
-        if (vectors > 2) {
-            _tile_loadd(7, w + 4 * VL, stride);
-            _tile_dpbf16ps(5, 6, 7);
-        }
+        AMX_PRODUCTS(_tile_dpbf16ps, 3, 4, 5, 6, 7, w, stride, vectors);
     }
-    _tile_stored(0, acc, LINEAR_TILE * 4);
-    if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
-    if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+    AMX_STORE_SUMS(0, 1, 2, acc, vectors);
     linear_amx_store(acc, x, ldx, tile, k, bias, op, other, ldo, y, ldy, tail, AMX_ROWS, vectors);
-    _tile_stored(3, acc, LINEAR_TILE * 4);
-    if (vectors > 1) _tile_stored(4, acc + VL, LINEAR_TILE * 4);
-    if (vectors > 2) _tile_stored(5, acc + 2 * VL, LINEAR_TILE * 4);
+    AMX_STORE_SUMS(3, 4, 5, acc, vectors);
     linear_amx_store(acc, x1, ldx, tile, k, bias, op, other ? other + AMX_ROWS * ldo : NULL, ldo, y + AMX_ROWS * ldy,
                      ldy, tail, rows, vectors);
 }
@@ -1491,52 +1494,26 @@ static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
                                                                   linear_amx_pair: tmm0-2 and tmm5-7 their sums */
                 const int second = (int)(m - r0 - AMX_ROWS);
                 if (configured != AMX_ROWS) amx_configure(configured = AMX_ROWS);
-                _tile_zero(0);
-                _tile_zero(5);
-                if (vectors > 1) { _tile_zero(1); _tile_zero(6); }
-                if (vectors > 2) { _tile_zero(2); _tile_zero(7); }
+                AMX_ZERO_SUMS(0, 1, 2, vectors);
+                AMX_ZERO_SUMS(5, 6, 7, vectors);
                 for (int64_t k0 = 0; k0 < tiled; k0 += 64) {
                     const int8_t *w = tile + k0 / 4 * stride;
                     _tile_loadd(4, x + k0, kp);
-                    _tile_loadd(3, w, stride);
-                    _tile_dpbusd(0, 4, 3);
-                    if (vectors > 1) {
-                        _tile_loadd(3, w + 64, stride);
-                        _tile_dpbusd(1, 4, 3);
-                    }
-                    if (vectors > 2) {
-                        _tile_loadd(3, w + 128, stride);
-                        _tile_dpbusd(2, 4, 3);
-                    }
+                    AMX_PRODUCTS(_tile_dpbusd, 0, 1, 2, 4, 3, w, stride, vectors);
                     for (int r = 0; r < second; r++)
                         _mm512_store_si512(rest + r * 64, _mm512_loadu_si512(x1 + r * kp + k0));
                     _tile_loadd(4, rest, 64);
-                    _tile_loadd(3, w, stride);
-                    _tile_dpbusd(5, 4, 3);
-                    if (vectors > 1) {
-                        _tile_loadd(3, w + 64, stride);
-                        _tile_dpbusd(6, 4, 3);
-                    }
-                    if (vectors > 2) {
-                        _tile_loadd(3, w + 128, stride);
-                        _tile_dpbusd(7, 4, 3);
-                    }
+                    AMX_PRODUCTS(_tile_dpbusd, 5, 6, 7, 4, 3, w, stride, vectors);
                 }
-                _tile_stored(0, acc, LINEAR_TILE * 4);
-                if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
-                if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+                AMX_STORE_SUMS(0, 1, 2, acc, vectors);
                 linear_s8_amx_store(call, acc, x, r0, n0, AMX_ROWS, vectors, tail);
-                _tile_stored(5, acc, LINEAR_TILE * 4);
-                if (vectors > 1) _tile_stored(6, acc + VL, LINEAR_TILE * 4);
-                if (vectors > 2) _tile_stored(7, acc + 2 * VL, LINEAR_TILE * 4);
+                AMX_STORE_SUMS(5, 6, 7, acc, vectors);
                 linear_s8_amx_store(call, acc, x1, r0 + AMX_ROWS, n0, second, vectors, tail);
                 break;
             }
             const int rows = (int)(m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS);
             if (rows != configured) amx_configure(configured = rows);
-            _tile_zero(0);
-            if (vectors > 1) _tile_zero(1);
-            if (vectors > 2) _tile_zero(2);
+            AMX_ZERO_SUMS(0, 1, 2, vectors);
             for (int64_t k0 = 0; k0 < tiled; k0 += 64) {
                 const int8_t *w = tile + k0 / 4 * stride;
                 _tile_loadd(4, x + k0, kp);
@@ -1551,9 +1528,7 @@ static void linear_s8_amx_tiles(const void *arg, int64_t first, int64_t last) {
                     _tile_dpbusd(2, 4, 7);
                 }
             }
-            _tile_stored(0, acc, LINEAR_TILE * 4);
-            if (vectors > 1) _tile_stored(1, acc + VL, LINEAR_TILE * 4);
-            if (vectors > 2) _tile_stored(2, acc + 2 * VL, LINEAR_TILE * 4);
+            AMX_STORE_SUMS(0, 1, 2, acc, vectors);
             linear_s8_amx_store(call, acc, x, r0, n0, rows, vectors, tail);
         }
     }
