@@ -6,6 +6,8 @@ import os
 import random
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
+from helpers.node_harness import REPO_ROOT
 from vla_node.validate import ConfigError, from_dict
 from vla_node.wire.codec import CodecError, pack
 from vla_node.wire.keys import create_keys, key_paths
@@ -301,6 +304,49 @@ def test_second_binder_on_the_same_address_fails() -> None:
     with NodeTransport(config):
         with pytest.raises(OSError, match="cannot bind"):
             NodeTransport(config)
+
+
+INTERRUPT_IN_SOCKET = """
+import sys, zmq
+from vla_node.config import NodeConfig
+from vla_node.drives.record import listen
+from vla_node.wire.transport import Client, NodeTransport, TransportConfig
+assert hasattr(zmq.Context, "_add_socket"), f"pyzmq {zmq.__version__}: Context._add_socket is gone, find the new window"
+side, which, addresses = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+made = 0
+
+def ctrl_c_between_making_and_listing(frame, event, arg):  # as a KeyboardInterrupt lands between two bytecodes
+    global made
+    if event == "call" and frame.f_code.co_name == "_add_socket":
+        made += 1
+        if made == which:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+    return None
+
+config = TransportConfig(*addresses)
+sys.settrace(ctrl_c_between_making_and_listing)
+try:
+    if side == "record":  # vla-node record's four SUBs
+        listen(NodeConfig(), config, lambda: None, "", 1.0, None, False)
+    else:
+        Client(config) if side == "client" else NodeTransport(config)
+except KeyboardInterrupt:
+    print(f"interrupted at socket {made}")
+"""
+
+
+@pytest.mark.parametrize("side", ["client", "node", "record"])
+@pytest.mark.parametrize("which", [1, 2, 3, 4])
+def test_a_ctrl_c_while_a_socket_is_made_raises_at_once(side: str, which: int) -> None:
+    """pyzmq's Context.socket makes the socket, then lists it in its context: a Ctrl-C between the two leaves a
+    socket that not even destroy closes, and terminating the context would wait on it for ever (a fleet shard hung
+    so). The client, the node's transport and `vla-node record`'s listener close what they made and leave the
+    context to the collector."""
+    c = ipc_config()
+    run = subprocess.run([sys.executable, "-c", INTERRUPT_IN_SOCKET, side, str(which), c.frames, c.commands, c.actions,
+                          c.health], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == f"interrupted at socket {which}", run.stdout + run.stderr
 
 
 def test_ipc_socket_files_are_owner_only(tmp_path: Path) -> None:

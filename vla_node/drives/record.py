@@ -403,7 +403,8 @@ def listen(config: NodeConfig, transport: TransportConfig, make_sink: Callable[[
             signal.signal(signal.SIGTERM, previous)
         for sock, _ in sockets:
             sock.close(linger=0)
-        ctx.term()
+        if sockets:  # all four opened; else a Ctrl-C may have left one made but untracked, on which term would
+            ctx.term()  # wait for ever: the context is left to the collector (wire.transport.Client.close)
         if sink is not None:
             _stop_sink(sink)
     if sink.error is not None:

@@ -234,7 +234,7 @@ class NodeTransport:
                     self.frames_sub.connect(also_from[0])
                     self.commands_sub.connect(also_from[1])
         except BaseException:
-            self.close()
+            self.close(terminate=False)
             raise
         self._poller = zmq.Poller()
         if inputs:
@@ -347,8 +347,9 @@ class NodeTransport:
     def publish_health(self, parts: list) -> None:
         self._send(self.health_pub, parts)
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Close every socket; `linger_ms`: how long queued messages may still go out (the last health message)."""
+    def close(self, linger_ms: int = 0, terminate: bool = True) -> None:
+        """Close every socket; `linger_ms`: how long queued messages may still go out (the last health message);
+        terminate=False: an owned context is left to the garbage collector (see Client.close)."""
         for watched in self._watched:
             watched.close()
         self._watched = []
@@ -358,8 +359,9 @@ class NodeTransport:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        if self._owns_ctx:  # destroy, not term: see Client.close
-            self.ctx.destroy(linger=linger_ms)
+        if self._owns_ctx:
+            if terminate:
+                self.ctx.destroy(linger=linger_ms)
             self._owns_ctx = False
 
     def __enter__(self) -> NodeTransport:
@@ -396,7 +398,7 @@ class Client:
             self.health_sub = self._open(zmq.SUB, config.health, curve, bind=False)
             self.health_sub.setsockopt(zmq.SUBSCRIBE, HEALTH_TOPIC)
         except BaseException:
-            self.close()
+            self.close(terminate=False)
             raise
 
     def _curve_keys(self, secret_file: Any, server_file: Any) -> tuple[bytes, bytes, bytes] | None:
@@ -513,12 +515,17 @@ class Client:
         parts = self._recv(self.health_sub, timeout_ms)
         return None if parts is None else decode_health(parts, self.limits)
 
-    def close(self) -> None:
+    def close(self, terminate: bool = True) -> None:
+        """Close every socket and terminate an owned context. terminate=False, when __init__ failed: the context
+        is left to the garbage collector, as term would wait for ever on a socket that a Ctrl-C left made but
+        untracked (its KeyboardInterrupt raised inside pyzmq's Context.socket, before the context lists it: not
+        even destroy closes it); it ends when that socket is collected, or with the process."""
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets = []
-        if self._owns_ctx:  # destroy, not term: a socket an interrupt left untracked (made, not yet listed) is
-            self.ctx.destroy(linger=0)  # closed too, where term would wait on it for ever
+        if self._owns_ctx:
+            if terminate:
+                self.ctx.destroy(linger=0)
             self._owns_ctx = False
 
     def __enter__(self) -> Client:
