@@ -344,8 +344,12 @@ def test_a_ctrl_c_while_a_socket_is_made_raises_at_once(side: str, which: int) -
     so). The client, the node's transport and `vla-node record`'s listener close what they made and leave the
     context to the collector."""
     c = ipc_config()
-    run = subprocess.run([sys.executable, "-c", INTERRUPT_IN_SOCKET, side, str(which), c.frames, c.commands, c.actions,
-                          c.health], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    try:
+        run = subprocess.run([sys.executable, "-c", INTERRUPT_IN_SOCKET, side, str(which), c.frames, c.commands,
+                              c.actions, c.health], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{side}: still running 60 s after a Ctrl-C while its socket {which} was made (a context's term "
+                    "waiting on a socket it does not list?)")
     assert run.returncode == 0 and run.stdout.strip() == f"interrupted at socket {which}", run.stdout + run.stderr
 
 
