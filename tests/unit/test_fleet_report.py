@@ -10,8 +10,9 @@ import pytest
 
 from helpers.ctrl_c import CtrlCWhenCollected, python_ctrl_c
 from vla_node.fleet import run as fleet_run_module
+from vla_node.fleet import task as fleet_task
 from vla_node.fleet.jobs import list_drives, make_jobs, shard
-from vla_node.fleet.task import Replay
+from vla_node.fleet.task import Replay, write_json
 from vla_node.report.fleet import build_fleet_report, compare_fleets, load_fleet_report, write_fleet_report
 from vla_node.validate import ConfigError
 
@@ -105,3 +106,18 @@ def test_a_ctrl_c_python_dropped_in_a_job_stops_the_shard_before_the_next(tmp_pa
         fleet_run_module.run_local(jobs, Replay("launch.toml"), tmp_path / "out", progress=False)
     assert ran == ["d0-r0"]  # that job finished and its row is kept: --resume starts at the next
     assert [json.loads(p.read_text())["job"] for p in (tmp_path / "out" / "rows").glob("*.json")] == ["d0-r0"]
+
+
+def test_a_row_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A Ctrl-C as the row is renamed into place leaves the old row (or none) and no temporary file."""
+    path = tmp_path / "rows" / "drive0-r0.json"
+    write_json(path, {"job": "drive0-r0", "attempts": 1})
+
+    def ctrl_c(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fleet_task.os, "replace", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(path, {"job": "drive0-r0", "attempts": 2})
+    assert json.loads(path.read_text())["attempts"] == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["drive0-r0.json"]

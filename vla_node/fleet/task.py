@@ -45,8 +45,12 @@ def write_json(path: Path, data: Any) -> None:
     """Written whole or not at all (a temporary file renamed over it): an interrupted run never leaves half a row."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except BaseException:  # a Ctrl-C or a full disk leaves no half-written temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def figures(report: dict[str, Any]) -> dict[str, Any]:
