@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
 from helpers.ctrl_c import CtrlCWhenCollected, python_ctrl_c
 from vla_node.fleet import run as fleet_run_module
-from vla_node.fleet import task as fleet_task
 from vla_node.fleet.jobs import list_drives, make_jobs, shard
 from vla_node.fleet.task import Replay, write_json
 from vla_node.report.fleet import build_fleet_report, compare_fleets, load_fleet_report, write_fleet_report
@@ -116,7 +116,7 @@ def test_a_row_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     def ctrl_c(src, dst):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fleet_task.os, "replace", ctrl_c)
+    monkeypatch.setattr(os, "replace", ctrl_c)  # write_json's rename
     with pytest.raises(KeyboardInterrupt):
         write_json(path, {"job": "drive0-r0", "attempts": 2})
     assert json.loads(path.read_text())["attempts"] == 1
