@@ -86,6 +86,25 @@ def ros2_image(encoding: str, height: int, width: int, data: bytes, compressed_f
     return out.getvalue()
 
 
+def foxglove_compressed(image_format: str) -> bytes:
+    """A native drive of one foxglove.CompressedImage frame in `image_format` (a JPEG's bytes whatever it says), on
+    the schema foxglove-sdk defines, as the node's recorder writes jpeg frames."""
+    from foxglove.messages import CompressedImage, Timestamp
+
+    from vla_node.drives.foxglove import image_schema
+
+    out = io.BytesIO()
+    writer = Writer(out, compression=CompressionType.NONE)
+    writer.start(profile="vla-node", library="test")
+    schema = writer.register_schema(*image_schema("foxglove.CompressedImage"))
+    channel = writer.register_channel("frame/front", "protobuf", schema)
+    message = CompressedImage(timestamp=Timestamp(sec=1, nsec=0), frame_id="front", data=jpeg(8, 8),
+                              format=image_format)
+    writer.add_message(channel, T0, message.encode(), T0, 0)
+    writer.finish()
+    return out.getvalue()
+
+
 def tiny_checkpoint_files() -> dict[str, bytes]:
     from vla_node.model.checkpoint import save_checkpoint
     from vla_node.model.config import preset

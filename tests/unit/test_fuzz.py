@@ -25,6 +25,7 @@ from helpers.fuzz_inputs import (
     STATISTICS,
     STATS_END,
     STATS_START,
+    foxglove_compressed,
     frame_message,
     native_drive,
     patch_field,
@@ -482,6 +483,9 @@ def read_all(path: Path) -> None:
     (patch_field(three_frames(chunk_size=64), CHUNK_INDEX, 0, "<Q", T0 + 250_000_000), "read after one at"),
     # a CompressedImage schema without `format`: AttributeError
     (ros2_compressed_without_format(), "not a sensor_msgs/msg/CompressedImage message (AttributeError"),
+    # a foxglove.CompressedImage frame whose format is not jpeg: KeyError (it has no `step` to check)
+    (foxglove_compressed("png"), "compressed image format 'png', expected 'jpeg'"),
+    (foxglove_compressed("j=eg"), "compressed image format 'j=eg', expected 'jpeg'"),
     # an EOI marker before the SOF: the drive's JPEG scan accepted what the node's refuses
     (native_drive([(T0, frame_message(0, T0, "jpeg", b"\xff\xd8\xff\xd9\x00\x00" + jpeg(8, 8)[2:], (8, 8)))]),
      "not a JPEG (no start-of-frame segment"),

@@ -294,6 +294,8 @@ class NativeDriveReader(McapDriveReader):
                 m["height"], m["width"] = jpeg_dims(m["data"])
             except ValueError as e:
                 raise drive_error(self.path, f"{where}: {e}") from e
+        elif schema.name == "foxglove.CompressedImage":  # png, webp, ...: the wire carries jpeg alone compressed
+            raise drive_error(self.path, f"{where}: compressed image format {show(m['encoding'])}, expected 'jpeg'")
         elif m["step"] != m["width"] * 3:
             raise drive_error(self.path, f"{where}: step {m['step']}, expected width * 3 = {m['width'] * 3}")
         return {"v": WIRE_VERSION, "seq": message.sequence, **m}
