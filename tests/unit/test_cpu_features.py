@@ -110,3 +110,21 @@ def test_the_environment_limit_is_read_as_onednn_reads_it(monkeypatch):
     assert cpu_features.onednn_max_isa_env() == "AVX2"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
     assert cpu_features.onednn_max_isa_env() == "AVX512_CORE"
+
+
+def test_the_cpu_model_names_the_x86_family_model_and_stepping_of_the_first_processor():
+    kvm_xeon = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\n"
+                "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 1\nflags\t\t: fpu\n\n"
+                "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Another\nstepping\t: 2\n")
+    assert cpu_features.cpu_model_in(kvm_xeon) == "Intel(R) Xeon(R) Processor (cpu family 6, model 167, stepping 1)"
+    # no numbers (an ARM core): the name alone; no name: the fallback
+    assert cpu_features.cpu_model_in("processor\t: 0\nmodel name\t: ARMv8 Processor rev 1 (v8l)\n") == (
+        "ARMv8 Processor rev 1 (v8l)")
+    assert cpu_features.cpu_model_in(ARM, "aarch64") == "aarch64"
+    assert cpu_features.cpu_model_in("", "x86_64") == "x86_64"
+    # a model field that is not a number (some hypervisors leave it blank) is left out
+    assert cpu_features.cpu_model_in("model name\t: EPYC\ncpu family\t: 25\nmodel\t\t: \n") == "EPYC (cpu family 25)"
+    names = [line.split(":", 1)[1].strip() for line in cpu_features.read_cpuinfo().splitlines()
+             if line.startswith("model name")]
+    if names:  # this machine: its first model name, whatever follows it
+        assert cpu_features.cpu_model().startswith(names[0])

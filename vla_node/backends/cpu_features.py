@@ -89,10 +89,24 @@ def aten_capability_for(cpuinfo: str, env: str | None) -> str:
     return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
 
 
+def cpu_model_in(cpuinfo: str, fallback: str = "") -> str:
+    """The CPU model /proc/cpuinfo text names: its first processor's model name, with its x86 family, model and
+    stepping where it gives them (a hypervisor may name every Xeon "Intel(R) Xeon(R) Processor"; those numbers tell
+    them apart); `fallback` where it has no model name."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block only
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or fallback
+    numbers = [f"{key} {fields[key]}" for key in ("cpu family", "model", "stepping") if fields.get(key, "").isdigit()]
+    return f"{name} ({', '.join(numbers)})" if name and numbers else name
+
+
 def cpu_model() -> str:
-    """This machine's CPU model (/proc/cpuinfo's model name; where it has none, what the platform says)."""
-    return next((line.split(":", 1)[1].strip() for line in read_cpuinfo().splitlines()
-                 if line.startswith("model name")), platform.processor() or platform.machine())
+    """This machine's CPU model (cpu_model_in; where /proc/cpuinfo names none, what the platform says)."""
+    return cpu_model_in(read_cpuinfo(), platform.processor() or platform.machine())
 
 
 @functools.cache

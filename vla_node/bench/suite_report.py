@@ -31,7 +31,7 @@ def _met(t: dict) -> str:
 
 def _sections(r: dict) -> list[tuple[str, list[str]]]:
     h, m, s = r["header"], r["model"], r["stages"]
-    out = [("Machine", _table([("", ""), ("CPU", f"{h['cpu']} ({h['cpus']} logical CPUs)"),
+    out = [("Machine", _table([("", ""), ("CPU", f"{h['cpu']}; {h['cpus']} logical CPUs"),
                                ("flags", " ".join(h["flags"]) or "-"), ("kernels", h["kernels"]),
                                ("threads", f"{h['threads']} ({h.get('threads_from', '--threads')})"),
                                ("GPU", h["gpu"] or "none (GPU figures: unmeasured here)"),
