@@ -117,6 +117,7 @@ def test_the_cpu_model_names_the_x86_family_model_and_stepping_of_the_first_proc
                 "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 1\nflags\t\t: fpu\n\n"
                 "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Another\nstepping\t: 2\n")
     assert cpu_features.cpu_model_in(kvm_xeon) == "Intel(R) Xeon(R) Processor (cpu family 6, model 167, stepping 1)"
+    assert cpu_features.cpu_model_in("\n" + kvm_xeon) == cpu_features.cpu_model_in(kvm_xeon)  # leading blank lines
     # no numbers (an ARM core): the name alone; no name: the fallback
     assert cpu_features.cpu_model_in("processor\t: 0\nmodel name\t: ARMv8 Processor rev 1 (v8l)\n") == (
         "ARMv8 Processor rev 1 (v8l)")

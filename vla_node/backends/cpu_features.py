@@ -96,7 +96,9 @@ def cpu_model_in(cpuinfo: str, fallback: str = "") -> str:
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
-            break  # the first processor's block only
+            if fields:
+                break  # the first processor's block only
+            continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     name = fields.get("model name") or fallback
